@@ -1,0 +1,107 @@
+"""Compile kernels from fake tensors with TVM-FFI, and keep them.
+
+A kernel is compiled once per `KernelKey` (the bucket's tile/cluster/stages plus the dtypes
+and operand layouts of the call) with symbolic M, N, K, so one compiled object serves every
+problem size of its bucket. Compilation needs no GPU (`--gpu-arch sm_90a`), which is how CI
+proves that every bucket builds.
+
+Caches:
+- in-process: a dict from `KernelKey` to the compiled callable (the op layer keeps its own
+  dict from the call's layout tuple to the callable, so a warm call does one dict lookup);
+- on disk: the DSL's own file cache (``CUTE_DSL_CACHE_DIR``, default under /tmp) keeps the
+  compiled module keyed by a hash of the traced IR, so a second process skips the backend
+  compile but still traces the kernel in Python. ``CUTE_DSL_NO_CACHE=1`` disables it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+DTYPES = ("bf16", "fp16")
+OUT_DTYPES = ("bf16", "fp16", "fp32")
+_ALIGN_BYTES = 16  # TMA: base address and every non-unit stride 16-byte aligned
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """Everything that selects distinct machine code."""
+
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int]
+    stages: int
+    persistent: bool
+    dtype: str  # input dtype of A and B: bf16 | fp16
+    out_dtype: str  # bf16 | fp16 | fp32
+    a_major: str  # "k": A[M, K] row-major; "m": A is a transposed view
+    b_form: str  # "nk": B given as [N, K] (weight of linear); "kn": [K, N] (mm)
+    b_contig: str  # which dim of B (as given) has stride 1: "last" | "first"
+    has_bias: bool
+    arch: str = "sm_90a"
+
+    @staticmethod
+    def for_bucket(bucket, **call) -> "KernelKey":
+        return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
+                         stages=bucket.stages, persistent=bucket.persistent, **call)
+
+
+_lock = threading.Lock()
+_compiled: dict[KernelKey, object] = {}
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+
+
+def _make_fakes(key: KernelKey):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    in_t, out_t = _cutlass_dtype(key.dtype), _cutlass_dtype(key.out_dtype)
+    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def fake(dtype, shape, unit_last):
+        div = _ALIGN_BYTES * 8 // dtype.width
+        s = cute.sym_int64(divisibility=div)
+        stride = (s, 1) if unit_last else (1, s)
+        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
+
+    a = fake(in_t, (m, k), key.a_major == "k")
+    b_shape = (n, k) if key.b_form == "nk" else (k, n)
+    b = fake(in_t, b_shape, key.b_contig == "last")
+    c = fake(out_t, (m, n), True)
+    bias = make_fake_tensor(in_t, (n,), stride=(1,), assumed_align=2) if key.has_bias else None
+    return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def build(key: KernelKey, extra_options: str = ""):
+    """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias)``.
+
+    `extra_options` passes DSL flags through, e.g. ``--keep-ptx --dump-dir=D`` for audits."""
+    import cutlass.cute as cute
+
+    from .kernels.sm90 import Sm90Gemm
+
+    gemm = Sm90Gemm(key.tile, key.cluster, key.stages, b_is_kn=key.b_form == "kn",
+                    has_bias=key.has_bias)
+    a, b, c, bias, stream = _make_fakes(key)
+    return cute.compile(gemm, a, b, c, bias, stream,
+                        options=f"--enable-tvm-ffi --gpu-arch {key.arch} {extra_options}".strip())
+
+
+def get(key: KernelKey):
+    """The compiled kernel for `key`, compiling on first use (thread-safe: one compile)."""
+    fn = _compiled.get(key)
+    if fn is None:
+        with _lock:
+            fn = _compiled.get(key)
+            if fn is None:
+                fn = build(key)
+                _compiled[key] = fn
+    return fn
+
+
+def cached_keys() -> list[KernelKey]:
+    return list(_compiled)

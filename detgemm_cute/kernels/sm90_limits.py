@@ -1,0 +1,78 @@
+"""What the SM90 (TMA + WGMMA) kernel can be built with.
+
+Pure Python on purpose: the registry validates every bucket against these rules when a
+YAML file is loaded, long before anything is compiled, so a bad tile is reported with the
+file and bucket that declared it instead of failing at first use.
+"""
+
+from __future__ import annotations
+
+TILE_M = (64, 128)
+TILE_N = (16, 32, 64, 128, 192, 256)
+TILE_K = (64, 128)
+CLUSTER_DIMS = (1, 2)
+MAX_CLUSTER_SIZE = 2
+STAGES = (2, 16)  # inclusive
+SMEM_BYTES = 232448  # 227 KiB usable per CTA on sm_90
+BARRIER_BYTES = 1024
+IN_BYTES = 2  # bf16 / fp16 operands
+EPI_STAGES = 4
+
+
+def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
+    """Sub-tile the epilogue stages through shared memory (rows, cols)."""
+    rows = min(128, tile_m) if _two_warpgroups(tile_m, tile_n) else min(64, tile_m)
+    return rows, min(32, tile_n)
+
+
+def _two_warpgroups(tile_m: int, tile_n: int) -> bool:
+    # Wide tiles are split over two consumer warpgroups along M to avoid register spills.
+    return tile_m > 64 and tile_n > 128
+
+
+def warpgroups(tile_m: int, tile_n: int) -> int:
+    return 2 if _two_warpgroups(tile_m, tile_n) else 1
+
+
+def smem_bytes(tile: tuple[int, int, int], stages: int, out_bytes: int = 4) -> int:
+    """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
+    buffer (its own region, so any output dtype fits)."""
+    bm, bn, bk = tile
+    er, ec = epilogue_tile(bm, bn)
+    return stages * (bm + bn) * bk * IN_BYTES + BARRIER_BYTES + EPI_STAGES * er * ec * out_bytes
+
+
+def max_stages(tile: tuple[int, int, int]) -> int:
+    lo, hi = STAGES
+    s = hi
+    while s >= lo and smem_bytes(tile, s) > SMEM_BYTES:
+        s -= 1
+    return s
+
+
+def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
+    """Return a list of (field, message) problems; empty when the kernel can be built."""
+    problems: list[tuple[str, str]] = []
+    bm, bn, bk = tile
+    if bm not in TILE_M:
+        problems.append(("tile", f"tile M must be one of {TILE_M}, got {bm}"))
+    if bn not in TILE_N:
+        problems.append(("tile", f"tile N must be one of {TILE_N}, got {bn}"))
+    if bk not in TILE_K:
+        problems.append(("tile", f"tile K must be one of {TILE_K}, got {bk}"))
+    cm, cn = cluster
+    if cm not in CLUSTER_DIMS or cn not in CLUSTER_DIMS or cm * cn > MAX_CLUSTER_SIZE:
+        problems.append(
+            ("cluster", f"cluster must be [m, n] with each in {CLUSTER_DIMS} and m*n <= "
+                        f"{MAX_CLUSTER_SIZE}, got {[cm, cn]}"))
+    lo, hi = STAGES
+    if not (lo <= stages <= hi):
+        problems.append(("stages", f"stages must be in [{lo}, {hi}], got {stages}"))
+    elif not problems and smem_bytes(tile, stages) > SMEM_BYTES:
+        problems.append(
+            ("stages", f"{stages} stages of tile {list(tile)} need {smem_bytes(tile, stages)} "
+                       f"bytes of shared memory, more than {SMEM_BYTES}; at most "
+                       f"{max_stages(tile)} stages fit"))
+    if persistent not in (False, True):
+        problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
+    return problems
