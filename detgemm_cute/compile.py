@@ -60,7 +60,9 @@ def _make_fakes(key: KernelKey):
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     in_t, out_t = _cutlass_dtype(key.dtype), _cutlass_dtype(key.out_dtype)
-    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    # A and B get their own K: a staged (zero-padded) operand may be longer in K than the
+    # other; the kernel counts k tiles from A and TMA zero-fills B past its end.
+    m, n, k_a, k_b = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
 
     def fake(dtype, shape, unit_last):
         div = _ALIGN_BYTES * 8 // dtype.width
@@ -68,8 +70,8 @@ def _make_fakes(key: KernelKey):
         stride = (s, 1) if unit_last else (1, s)
         return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
 
-    a = fake(in_t, (m, k), key.a_major == "k")
-    b_shape = (n, k) if key.b_form == "nk" else (k, n)
+    a = fake(in_t, (m, k_a), key.a_major == "k")
+    b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
     b = fake(in_t, b_shape, key.b_contig == "last")
     c = fake(out_t, (m, n), True)
     bias = make_fake_tensor(in_t, (n,), stride=(1,), assumed_align=2) if key.has_bias else None
@@ -77,17 +79,20 @@ def _make_fakes(key: KernelKey):
 
 
 def build(key: KernelKey, extra_options: str = ""):
-    """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias)``.
+    """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias, max_clusters)``.
 
     `extra_options` passes DSL flags through, e.g. ``--keep-ptx --dump-dir=D`` for audits."""
     import cutlass.cute as cute
 
-    from .kernels.sm90 import Sm90Gemm
+    import cutlass
 
-    gemm = Sm90Gemm(key.tile, key.cluster, key.stages, b_is_kn=key.b_form == "kn",
-                    has_bias=key.has_bias)
+    from .kernels.sm90 import kernel_class
+
+    gemm = kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
+                                        b_is_kn=key.b_form == "kn", has_bias=key.has_bias)
     a, b, c, bias, stream = _make_fakes(key)
-    return cute.compile(gemm, a, b, c, bias, stream,
+    # max_clusters is a run-time argument: the persistent grid is sized to the GPU it runs on.
+    return cute.compile(gemm, a, b, c, bias, cutlass.Int32(1), stream,
                         options=f"--enable-tvm-ffi --gpu-arch {key.arch} {extra_options}".strip())
 
 

@@ -11,6 +11,13 @@ number of rows in the problem: no split-K, no reduction across CTAs, no atomics.
 M, N and K are handled by TMA's out-of-bounds zero fill (loads) and clipping (stores); zeros
 past the end of K contribute exact zero products, which leave the chain unchanged.
 
+Every tile starts its accumulators at +0.0 and accumulates every 16-wide block onto them
+(the same chain `dW += dY^T X` continues from a stored value), in both kernels below:
+`Sm90Gemm` (one CTA per tile, TMA issued by warp 0 between WGMMA batches) and
+`Sm90GemmPersistent` (warp-specialized: a producer warpgroup streams TMA loads while one or
+two consumer warpgroups run WGMMA and the epilogue, over a static persistent tile schedule).
+They differ only in which tile a CTA runs when, never in the arithmetic of a tile.
+
 Epilogue: optional bias is converted to fp32 and added to the fp32 accumulator, then each
 value is rounded once (round-to-nearest-even) to the output dtype and stored through shared
 memory with TMA.
@@ -18,7 +25,6 @@ memory with TMA.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cutlass
@@ -30,13 +36,17 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from . import sm90_limits
 
+_WG = 128  # threads per warpgroup
 
-class Sm90Gemm:
-    """One compiled configuration of the SM90 kernel.
+
+class _Sm90Base:
+    """Host-side setup and device helpers shared by both SM90 kernels.
 
     ``tile`` (BM, BN, BK), ``cluster`` (CM, CN) and ``stages`` come from a registry bucket;
     ``b_is_kn`` says whether B arrives as a [K, N] tensor (``mm``) or [N, K] (``linear``).
     """
+
+    producer_warpgroups = 0
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool):
         self.tile_shape_mnk = tuple(tile)
@@ -47,15 +57,18 @@ class Sm90Gemm:
         self.acc_dtype = cutlass.Float32
         self.mma_warp_groups = sm90_limits.warpgroups(tile[0], tile[1])
         self.atom_layout_mnk = (self.mma_warp_groups, 1, 1)
-        self.threads_per_cta = 128 * self.mma_warp_groups
+        self.num_mma_threads = _WG * self.mma_warp_groups
+        self.threads_per_cta = _WG * (self.mma_warp_groups + self.producer_warpgroups)
         self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1])
         self.epi_stage = sm90_limits.EPI_STAGES
         self.buffer_align_bytes = 1024
+        self.is_a_mcast = cluster[1] > 1
+        self.is_b_mcast = cluster[0] > 1
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
-                 mBias: Optional[cute.Tensor], stream):
+                 mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
         # B as (N, K) whatever its memory order; a [K, N] tensor is a mode swap, no copy.
         mB = mB_in
         if cutlass.const_expr(self.b_is_kn):
@@ -67,18 +80,11 @@ class Sm90Gemm:
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
-
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_shape_mnk[1]),
-        )
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
-        self.num_mcast_ctas_a = self.cluster_shape_mn[1]
-        self.num_mcast_ctas_b = self.cluster_shape_mn[0]
-        self.is_a_mcast = self.num_mcast_ctas_a > 1
-        self.is_b_mcast = self.num_mcast_ctas_b > 1
 
         a_smem = sm90_utils.make_smem_layout_a(
             self.a_layout, self.tile_shape_mnk, self.a_dtype, self.ab_stage)
@@ -86,6 +92,8 @@ class Sm90Gemm:
             self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stage)
         epi_smem = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+        self.tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
+                          + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
 
         bm, bn, bk = self.tile_shape_mnk
         tma_atom_a, tma_a = self._tma_load(mA, a_smem, (bm, bk), self.cluster_shape_mn[1])
@@ -93,8 +101,6 @@ class Sm90Gemm:
         tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(epi_smem, (None, None, 0)), self.epi_tile)
-
-        grid = self._grid(mC)
 
         @cute.struct
         class SharedStorage:
@@ -107,11 +113,8 @@ class Sm90Gemm:
                 cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem)], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
-            self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem,
-        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
-                 cluster=(*self.cluster_shape_mn, 1), stream=stream)
+        self._launch(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
+                     a_smem, b_smem, epi_smem, max_clusters, stream)
 
     @staticmethod
     def _tma_load(tensor, smem_layout_staged, smem_tile, mcast):
@@ -121,14 +124,143 @@ class Sm90Gemm:
             op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), smem_tile,
             num_multicast=mcast)
 
-    def _grid(self, mC):
+    # ------------------------------------------------------- device-side helpers
+    @cute.jit
+    def _setup(self, storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
+               epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b):
+        """Pipeline barriers, smem tensors and TMA partitions over all (m|n, k) tiles."""
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mask = a_mask if self.is_a_mcast else 0
+        b_mask = b_mask if self.is_b_mcast else 0
+        mcast_size = self.cluster_shape_mn[0] + self.cluster_shape_mn[1] - 1
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, mcast_size * (self.num_mma_threads // 32)),
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer,
+                                   swizzle=epi_smem_layout_staged.inner)
+        bm, bn, bk = self.tile_shape_mnk
+        gA = cute.local_tile(mA_mk, (bm, bk), (None, None))  # (BM, BK, tiles_m, tiles_k)
+        gB = cute.local_tile(mB_nk, (bn, bk), (None, None))  # (BN, BK, tiles_n, tiles_k)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, cluster_coord[1],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, cluster_coord[0],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        k_tiles = cute.size(gA, mode=[3])
+        return ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles
+
+    @cute.jit
+    def _load_k_tile(self, ab_pipeline, state, tma_atom_a, tAgA_k, tAsA, a_mask,
+                     tma_atom_b, tBgB_k, tBsB, b_mask):
+        """TMA k tile `state.count` of this output tile into stage `state.index`."""
+        ab_pipeline.producer_acquire(state)
+        bar = ab_pipeline.producer_get_barrier(state)
+        cute.copy(tma_atom_a, tAgA_k[(None, state.count)], tAsA[(None, state.index)],
+                  tma_bar_ptr=bar, mcast_mask=a_mask)
+        cute.copy(tma_atom_b, tBgB_k[(None, state.count)], tBsB[(None, state.index)],
+                  tma_bar_ptr=bar, mcast_mask=b_mask)
+        ab_pipeline.producer_commit(state)
+
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage):
+        """One k tile: its 16-wide WGMMA steps in ascending K onto the accumulators."""
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
+        """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
+        n_total = cute.size(mC_mn, mode=[1])
+        bm, bn, _ = self.tile_shape_mnk
+        cC = cute.local_tile(cute.make_identity_tensor(mC_mn.shape), (bm, bn), (tile_m, tile_n))
+        tCcC = thr_mma_thread.partition_C(cC)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # Columns past N are clipped by the TMA store; clamp so the load stays in bounds.
+            n = cutlass.min(tCcC[i][1], n_total - 1)
+            acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
+
+    @cute.jit
+    def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
+                  c_pipeline, buf_base, barrier):
+        """Round once to the output dtype, stage through shared memory, TMA-store."""
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_layout = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3])
+        tRS_rD = cute.make_rmem_tensor(rD_layout.shape, self.acc_dtype)
+        out = cute.make_rmem_tensor(rD_layout.shape, self.c_dtype)
+        n_rd = cute.size(tRS_rD)
+
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+            for v in cutlass.range_constexpr(n_rd):
+                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
+            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
+            buf = (buf_base + epi_idx) % self.epi_stage
+            cute.copy(tiled_copy_r2s, out, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            barrier.arrive_and_wait()
+            if is_store_warp:
+                cute.copy(tma_atom_c, bSG_sD[(None, buf)],
+                          bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
+                c_pipeline.producer_commit()
+                c_pipeline.producer_acquire()
+            barrier.arrive_and_wait()
+
+    def _epi_tiles(self):
+        bm, bn, _ = self.tile_shape_mnk
+        return (bm // self.epi_tile[0]) * (-(-bn // self.epi_tile[1]))
+
+
+class Sm90Gemm(_Sm90Base):
+    """One CTA per output tile; warp 0 issues TMA loads between WGMMA batches.
+
+    Mainloop order: k tiles 0, 1, 2, ... of the CTA's tile, each as ascending 16-wide WGMMA
+    steps onto fp32 accumulators that start at +0.0. Best for small grids (thin tiles,
+    small M), where there is no second tile per CTA to overlap with.
+    """
+
+    def _launch(self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
+                a_smem, b_smem, epi_smem, max_clusters, stream):
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         cluster_mnl = (*self.cluster_shape_mn, 1)
         tiles = cute.append(cute.get(gc.layout, mode=[1]).shape, 1)
-        clusters = cute.ceil_div(tiles, cluster_mnl)
-        return tuple(x * y for x, y in zip(clusters, cluster_mnl))
+        grid = tuple(x * y for x, y in zip(cute.ceil_div(tiles, cluster_mnl), cluster_mnl))
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
+                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem,
+                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
+                             cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
-    # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
@@ -141,14 +273,13 @@ class Sm90Gemm:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-
         tidx, _, _ = cute.arch.thread_idx()
-        cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()
-        cluster_id = cidx + cdimx * cidy
 
         # Raster clusters in groups of 8 along M so neighbouring CTAs share B tiles in L2.
         # Only the order in which tiles run changes; each tile's arithmetic does not.
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        cluster_id = cidx + cdimx * cidy
         group_m = 8
         s_shape = ((group_m, cdimx // group_m), cdimy)
         s_layout = cute.make_layout(s_shape, stride=((1, cdimy * group_m), group_m))
@@ -161,191 +292,203 @@ class Sm90Gemm:
             cid_m = cute.size(s_shape, mode=[0]) + t_m
             cid_n = t_n
         in_cluster = cute.arch.block_in_cluster_idx()
-        pid_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
-        pid_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
-        tile_coord = (pid_m, pid_n, None)
+        tile_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
+        tile_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
 
-        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
-        a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
-        b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
-        a_mcast_mask = a_mcast_mask if self.is_a_mcast else 0
-        b_mcast_mask = b_mcast_mask if self.is_b_mcast else 0
-        tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
-                     + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
+            storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
+            epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
+        tAgA_k = tAgA[(None, tile_m, None)]
+        tBgB_k = tBgB[(None, tile_n, None)]
+        bm, bn, _ = self.tile_shape_mnk
+        gC = cute.local_tile(mC_mn, (bm, bn), (tile_m, tile_n))
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, mcast_size * (self.threads_per_cta // 32)),
-            tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
-            defer_sync=True,
-        )
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
-
-        gA = cute.local_tile(mA_mk, self.tile_shape_mnk, tile_coord, proj=(1, None, 1))  # (BM, BK, k)
-        gB = cute.local_tile(mB_nk, self.tile_shape_mnk, tile_coord, proj=(None, 1, 1))  # (BN, BK, k)
-        gC = cute.local_tile(mC_mn, self.tile_shape_mnk, tile_coord, proj=(1, 1, None))  # (BM, BN)
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma = tiled_mma.get_slice(
-            cute.make_layout(self.mma_warp_groups, stride=128)(wg_idx))
-        tCgC = thr_mma.partition_C(gC)
-
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, cluster_coord[1],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, cluster_coord[0],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=_WG)(wg_idx))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
-
-        k_tiles = cute.size(gA, mode=[2])
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        # Prologue: fill the pipeline (k tiles 0 .. stages-1, ascending).
-        if warp_idx == 0:
+        if warp_idx == 0:  # prologue: k tiles 0 .. stages-1
             for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
-                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA, tAsA, a_mcast_mask,
-                                  tma_atom_b, tBgB, tBsB, b_mcast_mask)
+                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
+                                  tma_atom_b, tBgB_k, tBsB, b_mask)
                 prod.advance()
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-
-        # K tile 0 (K >= 1, so it always exists): the first WGMMA starts the chain from the
-        # products alone (ACCUMULATE off), every later one accumulates onto it.
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        # K tile 0 (K >= 1, so it always exists).
         ab_pipeline.consumer_wait(read)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            coord = (None, None, kb, read.index)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
+        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
         read.advance()
-
-        # K tiles 1, 2, ... in order; 16-wide WGMMA steps ascending inside each tile.
-        for k_tile in cutlass.range(1, k_tiles, 1, unroll=1):
+        # K tiles 1, 2, ... in order. One WGMMA batch stays in flight; the stage the
+        # previous batch read is released once it retires, and only then refilled.
+        for _k in cutlass.range(1, k_tiles, 1, unroll=1):
             ab_pipeline.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            # One WGMMA batch stays in flight; the stage the previous one read is freed
-            # once it retires, and only then refilled with the next k tile.
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
             cute.nvgpu.warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release)
             release.advance()
             read.advance()
             if warp_idx == 0 and prod.count < k_tiles:
-                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA, tAsA, a_mcast_mask,
-                                  tma_atom_b, tBgB, tBsB, b_mcast_mask)
+                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
+                                  tma_atom_b, tBgB_k, tBsB, b_mask)
                 prod.advance()
-
         cute.nvgpu.warpgroup.wait_group(0)
-        if cutlass.const_expr(self.num_mcast_ctas_a + self.num_mcast_ctas_b > 2):
-            # Clusters: the epilogue has its own smem, but peers multicast into ours until
-            # all of them are done with the mainloop.
+        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast):
+            # Peers multicast into our shared memory until all are done with the mainloop.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
         if cutlass.const_expr(self.has_bias):
-            self._add_bias(acc, thr_mma, mBias, mC_mn, tile_coord)
-
-        self._epilogue(acc, tiled_mma, tidx, warp_idx, sC, gC, tma_atom_c)
-
-    @cute.jit
-    def _load_k_tile(self, ab_pipeline, state, tma_atom_a, tAgA, tAsA, a_mask,
-                     tma_atom_b, tBgB, tBsB, b_mask):
-        ab_pipeline.producer_acquire(state)
-        bar = ab_pipeline.producer_get_barrier(state)
-        cute.copy(tma_atom_a, tAgA[(None, state.count)], tAsA[(None, state.index)],
-                  tma_bar_ptr=bar, mcast_mask=a_mask)
-        cute.copy(tma_atom_b, tBgB[(None, state.count)], tBsB[(None, state.index)],
-                  tma_bar_ptr=bar, mcast_mask=b_mask)
-        ab_pipeline.producer_commit(state)
-
-    @cute.jit
-    def _add_bias(self, acc, thr_mma, mBias, mC_mn, tile_coord):
-        """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
-        n_total = cute.size(mC_mn, mode=[1])
-        cC = cute.local_tile(cute.make_identity_tensor(mC_mn.shape), self.tile_shape_mnk,
-                             tile_coord, proj=(1, 1, None))
-        tCcC = thr_mma.partition_C(cC)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            # Columns past N are clipped by the TMA store; clamp so the load stays in bounds.
-            n = cutlass.min(tCcC[i][1], n_total - 1)
-            acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
-
-    @cute.jit
-    def _epilogue(self, acc, tiled_mma, tidx, warp_idx, sC, gC, tma_atom_c):
-        """Round once to the output dtype, stage through shared memory, TMA-store."""
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
-        thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
-        tRS_sD = thr_copy_r2s.partition_D(sC)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
-        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-        rD_layout = cute.make_layout(rD_shape[:3])
-        tRS_rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
-        n_rd = cute.size(tRS_rD)
-
-        gC_epi = cute.zipped_divide(gC, self.epi_tile)
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
-        epi_tiles = cute.size(gC_epi, mode=[1])
-        epi_shape = gC_epi.shape[1]
-        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+            # Coordinates need the per-thread slice (thr_mma above is per warpgroup).
+            self._add_bias(acc, tiled_mma.get_slice(tidx), mBias, mC_mn, tile_m, tile_n)
         c_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads_per_cta))
-
-        for epi_idx in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(n_rd):
-                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
-            out = cute.make_rmem_tensor_like(rD_layout, self.c_dtype)
-            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
-            buf = epi_idx % self.epi_stage
-            cute.copy(tiled_copy_r2s, out, tRS_sD[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            pipeline.sync(barrier_id=1)
-            if warp_idx == 0:
-                cute.copy(tma_atom_c, bSG_sD[(None, buf)],
-                          bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
-                c_pipeline.producer_commit()
-                c_pipeline.producer_acquire()
-            pipeline.sync(barrier_id=1)
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+        barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        self._epilogue(acc, tiled_mma, tidx, warp_idx == 0, sC, gC, tma_atom_c, c_pipeline,
+                       0, barrier)
         if warp_idx == 0:
             c_pipeline.producer_tail()
 
 
+class Sm90GemmPersistent(_Sm90Base):
+    """Warp-specialized, persistent: one producer warpgroup, one or two consumer warpgroups.
+
+    The producer's warp 0 walks the CTA's tiles (static schedule: tile t, t + grid, ...) and
+    for each streams k tiles 0, 1, 2, ... into the stage ring. Consumers take the stages in
+    the same order, so each tile's chain is again ascending 16-wide WGMMA steps onto fp32
+    accumulators reset to +0.0 at the start of the tile; then bias, one rounding, TMA store.
+    """
+
+    producer_warpgroups = 1
+    load_registers = 40
+    mma_registers = 232
+
+    def _launch(self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
+                a_smem, b_smem, epi_smem, max_clusters, stream):
+        gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
+        tiles_mn = gc[(0, (None, None))].shape
+        sched = utils.PersistentTileSchedulerParams(
+            (*tiles_mn, 1), (*self.cluster_shape_mn, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
+                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, sched,
+                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
+                             cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1,
+                             stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
+               tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
+               tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
+               tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
+               a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout,
+               sched_params: utils.PersistentTileSchedulerParams):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
+            storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
+            epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
+        bm, bn, _ = self.tile_shape_mnk
+        gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None))  # (BM, BN, tiles_m, tiles_n)
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        mma_wg = wg_idx - self.producer_warpgroups
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=_WG)(mma_wg))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC_all[(None, None, 0, 0)]).shape,
+                                    self.acc_dtype)
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if wg_idx < self.producer_warpgroups:
+            cute.arch.setmaxregister_decrease(self.load_registers)
+        if warp_idx == 0:
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            while work.is_valid_tile:
+                tile = work.tile_idx
+                tAgA_k = tAgA[(None, tile[0], None)]
+                tBgB_k = tBgB[(None, tile[1], None)]
+                prod.reset_count()
+                for _k in cutlass.range(k_tiles, unroll=1):
+                    self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
+                                      tma_atom_b, tBgB_k, tBsB, b_mask)
+                    prod.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipeline.producer_tail(prod)
+
+        if wg_idx >= self.producer_warpgroups:
+            cute.arch.setmaxregister_increase(self.mma_registers)
+            mma_tidx = tidx - self.producer_warpgroups * _WG
+            store_warp = warp_idx == self.producer_warpgroups * 4
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.ab_stage)
+            c_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads))
+            barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            while work.is_valid_tile:
+                tile = work.tile_idx
+                read.reset_count()
+                release.reset_count()
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                ab_pipeline.consumer_wait(read)
+                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+                read.advance()
+                for _k in cutlass.range(1, k_tiles, 1, unroll=1):
+                    ab_pipeline.consumer_wait(read)
+                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release)
+                release.advance()
+
+                if cutlass.const_expr(self.has_bias):
+                    self._add_bias(acc, tiled_mma.get_slice(mma_tidx), mBias, mC_mn,
+                                   tile[0], tile[1])
+                gC = gC_all[(None, None, tile[0], tile[1])]
+                self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
+                               c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
+                               barrier)
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            if store_warp:
+                c_pipeline.producer_tail()
+
+
+def kernel_class(persistent: bool):
+    return Sm90GemmPersistent if persistent else Sm90Gemm
+
+
 def mainloop_order() -> str:
     """Human-readable statement of the accumulation order, used by `explain`."""
-    return ("K ascending in 16-wide WGMMA steps, one CTA per output tile, fp32 accumulators, "
-            "no split-K; bias added in fp32, then one rounding")
-
-
-__all__ = ["Sm90Gemm", "mainloop_order", "math"]
+    return ("K ascending in 16-wide WGMMA steps onto fp32 accumulators that start at +0.0, "
+            "one CTA per output tile at a time, no split-K; bias added in fp32, then one "
+            "rounding to the output dtype")

@@ -1,0 +1,53 @@
+"""detgemm_cute: deterministic, batch-invariant GEMMs for PyTorch.
+
+Every output element is one fixed chain: fp32 accumulation over K in ascending 16-wide
+blocks, no split-K, bias added in fp32, one rounding at the store. Tiles are chosen per
+problem size from the YAML tables in `configs/`, and do not change a single bit, so a row's
+result depends only on that row of the input and on the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops as _ops
+from .gemm import checked_gemm as _checked_gemm
+from .gemm import force_bucket
+
+__version__ = "0.1.0"
+
+_compiling = torch.compiler.is_compiling
+
+
+def _needs_graph(*ts) -> bool:
+    return _compiling() or (torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in ts))
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None):
+    """``a [M, K] @ b [K, N]`` -> ``[M, N]`` in ``out_dtype`` (default: a's dtype)."""
+    if _needs_graph(a, b):
+        return torch.ops.detgemm.mm(a, b, out_dtype)
+    return _checked_gemm(a, b, "kn", None, out_dtype, "detgemm_cute.mm", ("a", "b", "bias"))
+
+
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+          out_dtype: torch.dtype | None = None):
+    """``bias [N] + a [M, K] @ b [K, N]``; the bias is added in fp32 before the rounding."""
+    if _needs_graph(bias, a, b):
+        return torch.ops.detgemm.addmm(bias, a, b, out_dtype)
+    return _checked_gemm(a, b, "kn", bias, out_dtype, "detgemm_cute.addmm", ("a", "b", "bias"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None):
+    """Like ``F.linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` -> ``[..., N]``."""
+    if _needs_graph(x, weight, bias):
+        return torch.ops.detgemm.linear(x, weight, bias, out_dtype)
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2):
+        return _ops._linear(x, weight, bias, out_dtype, "detgemm_cute.linear")
+    return _checked_gemm(x, weight, "nk", bias, out_dtype, "detgemm_cute.linear",
+                         ("input", "weight", "bias"))
+
+
+__all__ = ["mm", "addmm", "linear", "force_bucket", "__version__"]

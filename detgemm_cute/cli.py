@@ -1,0 +1,213 @@
+"""`detgemm-cute`: audit the dispatch tables, explain a choice, compile, demo, bench.
+
+User mistakes (a bad config file, an unknown bucket, an arch without kernels) end with a
+message on stderr and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from . import registry as reg
+
+_USER_ERRORS = (reg.ConfigError, reg.NoBucketError, reg.ArchNotAvailable, FileNotFoundError)
+_BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_gemm.py"
+_TABLE_COLUMNS = ("name", "op", "dtypes", "M", "N", "K", "tile", "cluster", "stages",
+                  "persistent", "file:line", "layer")
+
+
+def _dims(r) -> str:
+    return "any" if r == (1, None) else reg.fmt_range(r)
+
+
+def _row(b: reg.Bucket) -> tuple[str, ...]:
+    return (b.name, b.op, ",".join(b.dtypes), _dims(b.m), _dims(b.n), _dims(b.k),
+            "x".join(map(str, b.tile)), "x".join(map(str, b.cluster)), str(b.stages),
+            "yes" if b.persistent else "no", b.where, b.layer_label)
+
+
+def format_table(buckets) -> str:
+    """Buckets as an aligned text table (the audit listing)."""
+    rows = [_TABLE_COLUMNS] + [_row(b) for b in buckets]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_TABLE_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _env_files(arch: str) -> list:
+    """The DETGEMM_CUTE_CONFIG layers of `arch`, as the library would stack them."""
+    files = [reg.load_config(p, origin=reg.ENV_VAR) for p in reg.env_config_paths()]
+    return [f for f in files if f.arch == arch]
+
+
+def _audit_one(arch: str, extra: list, out) -> None:
+    r = reg.build_registry(arch, _env_files(arch) + extra)
+    out(f"{arch}: {len(r.buckets)} buckets in {len(r.files)} layer(s)")
+    for f in r.files:
+        out(f"  layer {f.layer} ({reg.layer_label(f.layer)}): "
+            f"{reg.show_path(f.path)} [{f.origin}], {len(f.buckets)} buckets")
+    out("")
+    out(format_table(r.buckets))
+    out("")
+    for op in r.ops:
+        for dtype in reg.DTYPES:
+            n = sum(1 for b in r.files[0].buckets if b.op == op and dtype in b.dtypes)
+            out(f"coverage {op} {dtype}: every (M, N, K) >= 1 is served by exactly one of "
+                f"{n} built-in buckets")
+    for f in r.files[1:]:
+        layer = f.layer
+        served = sorted({f"{b.op} {d}" for b in f.buckets for d in b.dtypes})
+        out(f"user layer {layer}: overrides {', '.join(served)} where its buckets match; "
+            f"no overlaps inside the file")
+        for b in f.buckets:
+            for o in r.named(b.name):
+                if o.layer < layer:
+                    out(f"  {b.name} ({b.where}) shadows the same-named bucket at {o.where} "
+                        f"({o.layer_label})")
+
+
+def cmd_audit(args, out) -> int:
+    problems, extra = [], {}
+    for p in args.config or []:
+        try:
+            f = reg.load_config(p, arch=args.arch, origin="--config")
+        except _USER_ERRORS as e:
+            problems.append(str(e))
+            continue
+        extra.setdefault(f.arch, []).append(f)
+    builtins = {p.stem for p in reg.BUILTIN_DIR.glob("*.yaml")}
+    arches = [args.arch] if args.arch else sorted(builtins | set(extra))
+    for i, arch in enumerate(arches):
+        if i:
+            out("")
+        try:
+            _audit_one(arch, extra.get(arch, []), out)
+        except _USER_ERRORS as e:
+            problems.append(str(e))
+    if problems:
+        _err("\n".join(problems))
+        out("")
+        out("audit: FAILED (problems on stderr)")
+        return 1
+    out("")
+    out("audit: OK")
+    return 0
+
+
+def cmd_explain(args, out) -> int:
+    from . import dispatch
+
+    arch = args.arch
+    files = [reg.load_config(p, arch=arch, origin="--config") for p in args.config or []]
+    r = reg.build_registry(arch, _env_files(arch) + files)
+    out(str(dispatch.explain(args.op, args.dtype, arch, args.M, args.N, args.K, registry=r)))
+    return 0
+
+
+def _registry_arch(gpu_arch: str) -> str:
+    """'sm_90a' / 'sm90a' / 'sm90' -> 'sm90'."""
+    a = gpu_arch.lower().replace("_", "")
+    return a[:-1] if a.endswith("a") else a
+
+
+def cmd_compile(args, out) -> int:
+    arch = _registry_arch(args.arch)
+    for p in args.config or []:
+        reg.add_config(p, arch=arch)
+    from .aot import compile_buckets
+
+    return compile_buckets(args.arch, args.bucket or None, out=out)
+
+
+def cmd_demo(args, out) -> int:
+    from .demo import main as demo_main
+
+    return demo_main((["--quick"] if args.quick else []) + list(args.rest))
+
+
+def cmd_bench(args, out) -> int:
+    if not _BENCH.is_file():
+        out("bench/ ships with the source tree (git checkout of detgemm_cute), not with the "
+            "installed package; run `python bench/bench_gemm.py` there.")
+        return 1
+    spec = importlib.util.spec_from_file_location("detgemm_cute_bench_gemm", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        return mod.main(list(args.rest))
+    except SystemExit as e:  # the script's own --help or usage error
+        return e.code if isinstance(e.code, int) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="detgemm-cute",
+                                description="Deterministic, batch-invariant GEMMs: tools.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    a = sub.add_parser("audit", help="validate the dispatch tables and print them")
+    a.add_argument("--arch", help="only this arch (default: every configs/*.yaml)")
+    a.add_argument("--config", action="append", metavar="FILE",
+                   help="also validate this user config as a layer (repeatable)")
+    a.set_defaults(func=cmd_audit)
+
+    e = sub.add_parser("explain", help="which bucket serves a problem, and why")
+    e.add_argument("--op", default="fwd", choices=reg.OPS)
+    e.add_argument("--dtype", default="bf16", choices=reg.DTYPES)
+    e.add_argument("--arch", default="sm90")
+    e.add_argument("--config", action="append", metavar="FILE",
+                   help="user config layered on top (repeatable; the last is highest)")
+    for dim in "MNK":
+        e.add_argument(dim, type=int)
+    e.set_defaults(func=cmd_explain)
+
+    c = sub.add_parser("compile", help="compile every bucket's kernels ahead of time (no GPU)")
+    c.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (default sm_90a)")
+    c.add_argument("--bucket", action="append", metavar="NAME",
+                   help="only this bucket (repeatable; default: all)")
+    c.add_argument("--config", action="append", metavar="FILE",
+                   help="user config to add before compiling (repeatable)")
+    c.set_defaults(func=cmd_compile)
+
+    d = sub.add_parser("demo", help="show determinism and batch invariance on this GPU")
+    d.add_argument("--quick", action="store_true")
+    d.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmark against cuBLAS (source tree only)")
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="arguments for bench/bench_gemm.py (`bench --help` lists them)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def _err(msg: str) -> None:
+    for line in msg.splitlines():
+        print(f"detgemm-cute: {line}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["bench"]:
+            # Everything after `bench` belongs to the script (its --help included).
+            args = argparse.Namespace(func=cmd_bench, rest=argv[1:])
+        else:
+            args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help or a usage error (argparse printed it)
+        return e.code if isinstance(e.code, int) else 1
+    try:
+        return int(args.func(args, print) or 0)
+    except _USER_ERRORS as e:
+        _err(str(e))
+        return 1
+    except ValueError as e:  # an unknown arch or a bad dimension given to audit/explain
+        if args.func not in (cmd_audit, cmd_explain):
+            raise
+        _err(str(e))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

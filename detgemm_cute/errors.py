@@ -1,0 +1,70 @@
+"""Input checks that run before any launch, with messages that name the argument.
+
+Kept apart from the launch path so `torch.compile`'s fake implementations raise the very
+same errors at trace time as eager calls do at run time."""
+
+from __future__ import annotations
+
+import torch
+
+IN_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_DIM = 2**31 - 1
+
+
+def _need_tensor(x, name, op):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
+                    check_device=True):
+    """Validate C = a @ op(b) (+ bias). `b_form` is 'nk' (b is [N, K]) or 'kn' ([K, N])."""
+    an, bn, biasn = names
+    _need_tensor(a, an, op)
+    _need_tensor(b, bn, op)
+    if a.dtype not in IN_DTYPES:
+        raise TypeError(f"{op}: {an} must be torch.bfloat16 or torch.float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
+    if a.dim() != 2:
+        raise ValueError(f"{op}: {an} must be 2-D [M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        want = "[N, K]" if b_form == "nk" else "[K, N]"
+        raise ValueError(f"{op}: {bn} must be 2-D {want}, got shape {tuple(b.shape)}")
+    m, k = a.shape
+    n, kb = (b.shape[0], b.shape[1]) if b_form == "nk" else (b.shape[1], b.shape[0])
+    if kb != k:
+        raise ValueError(f"{op}: K mismatch: {an} has K={k} (shape {tuple(a.shape)}) but {bn} "
+                         f"has K={kb} (shape {tuple(b.shape)})")
+    if k < 1 or n < 1:
+        raise ValueError(f"{op}: N and K must be >= 1, got N={n}, K={k} "
+                         f"({an} {tuple(a.shape)}, {bn} {tuple(b.shape)})")
+    for dim_name, v in (("M", m), ("N", n), ("K", k)):
+        if v > MAX_DIM:
+            raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be one of torch.bfloat16, torch.float16, "
+                        f"torch.float32 or None, got {out_dtype}")
+    if bias is not None:
+        _need_tensor(bias, biasn, op)
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise ValueError(f"{op}: {biasn} must be 1-D of length N={n}, got shape "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != a.dtype:
+            raise TypeError(f"{op}: {biasn} must have dtype {a.dtype} like {an}, got {bias.dtype}")
+    if check_device:
+        check_devices(a, b, bias, op, names)
+
+
+def check_devices(a, b, bias, op, names=("a", "b", "bias")):
+    an, bn, biasn = names
+    if a.device.type != "cuda":
+        raise ValueError(
+            f"{op}: {an} is on {a.device}; detgemm kernels run on CUDA tensors (SM90 GPU). "
+            f"For CPU tensors use detgemm_cute.reference, which reproduces the GPU chain.")
+    if b.device != a.device:
+        raise ValueError(f"{op}: {bn} is on {b.device} but {an} is on {a.device}; "
+                         f"both must be on the same CUDA device")
+    if bias is not None and bias.device != a.device:
+        raise ValueError(f"{op}: {biasn} is on {bias.device} but {an} is on {a.device}")

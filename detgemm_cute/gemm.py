@@ -1,0 +1,178 @@
+"""The eager GEMM path: validate, pick the bucket, stage what TMA cannot take, launch.
+
+Per-call work on a warm shape is a few attribute reads, one dict lookup for the plan, the
+output allocation and the TVM-FFI call. Everything derived from (shape, dtype, layout) is
+computed once and memoised in `_plans`.
+
+Layouts taken without copies: A [M, K] row-major or a transposed view (M-major); B as
+[N, K] (linear's weight) or [K, N] (mm), either contiguous dim. What TMA cannot address
+(a unit stride missing, a non-unit stride that is not a multiple of 16 bytes, a base pointer
+not 16-byte aligned) is copied once into a K-major buffer whose K is zero-padded to a
+multiple of 8. Zeros at the end of K add exact zero products, exactly what TMA's
+out-of-bounds fill already feeds the kernel past K, so the bits do not change. An output
+whose row stride cannot be 16-byte aligned (N not a multiple of 8 for 16-bit outputs) is
+written into a padded buffer and copied out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from . import compile as kcompile
+from . import dispatch
+from .errors import check_gemm_args
+
+_ALIGN = 16
+_MAX_DIM = 2**31 - 1
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+_plans: dict = {}
+_plans_generation = [None]
+_arch_of_device: dict = {}
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def force_bucket(name: str | None):
+    """Run every GEMM in this thread through the bucket `name`, whatever the shape.
+
+    Tiles do not change bits, so tests use this to prove every bucket gives the same
+    result on the same problem."""
+    prev = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = prev
+
+
+def arch_of(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch_of_device.get(idx)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(idx)
+        arch = dispatch.arch_for_capability(major, minor)
+        _arch_of_device[idx] = arch
+    return arch
+
+
+def _a_major(t: torch.Tensor) -> str | None:
+    """'k' or 'm' when TMA can read the [rows, K] operand in place, else None."""
+    s0, s1 = t.stride()
+    if t.data_ptr() % _ALIGN:
+        return None
+    el = _ALIGN // t.element_size()
+    if s1 == 1 and s0 % el == 0:
+        return "k"
+    if s0 == 1 and s1 % el == 0 and t.shape[1] > 1:
+        return "m"
+    return None
+
+
+def _b_contig(t: torch.Tensor) -> str | None:
+    s0, s1 = t.stride()
+    if t.data_ptr() % _ALIGN:
+        return None
+    el = _ALIGN // t.element_size()
+    if s1 == 1 and s0 % el == 0:
+        return "last"
+    if s0 == 1 and s1 % el == 0 and t.shape[1] > 1:
+        return "first"
+    return None
+
+
+def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """Copy `t` into a fresh buffer, K contiguous and zero-padded to a multiple of 8."""
+    rows = t.shape[1 - k_dim]
+    k = t.shape[k_dim]
+    kp = -(-k // 8) * 8
+    out = torch.zeros((rows, kp), dtype=t.dtype, device=t.device)
+    out[:, :k].copy_(t if k_dim == 1 else t.t())
+    return out
+
+
+class _Plan:
+    __slots__ = ("fn", "stage_a", "stage_b", "b_form", "pad_n", "out_dtype")
+
+    def __init__(self, fn, stage_a, stage_b, b_form, pad_n, out_dtype):
+        self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
+        self.b_form, self.pad_n, self.out_dtype = b_form, pad_n, out_dtype
+
+
+def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
+    arch = arch_of(a.device)
+    dtype = _NAMES[a.dtype]
+    forced = getattr(_forced, "name", None)
+    bucket = (dispatch.bucket_by_name(arch, forced) if forced
+              else dispatch.lookup("fwd", dtype, arch, m, n, k))
+    a_major = _a_major(a)
+    b_contig = _b_contig(b)
+    stage_a, stage_b = a_major is None, b_contig is None
+    if stage_a:
+        a_major = "k"
+    if stage_b:  # staged B is [N, K] K-major
+        b_form_eff, b_contig = "nk", "last"
+    else:
+        b_form_eff = b_form
+    out_el = torch.empty((), dtype=out_dtype).element_size()
+    pad_n = (n * out_el) % _ALIGN != 0
+    key = kcompile.KernelKey.for_bucket(
+        bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
+        b_contig=b_contig, has_bias=bias is not None, arch="sm_90a")
+    return _Plan(kcompile.get(key), stage_a, stage_b, b_form, pad_n, out_dtype)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
+         out_dtype: torch.dtype | None) -> torch.Tensor:
+    """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs."""
+    m, k = a.shape
+    n = b.shape[0] if b_form == "nk" else b.shape[1]
+    out_dtype = out_dtype or a.dtype
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+
+    gen = dispatch.generation()
+    if _plans_generation[0] != gen:
+        _plans.clear()
+        _plans_generation[0] = gen
+    key = (m, n, k, a.dtype, out_dtype, b_form, a.stride(), b.stride(),
+           a.data_ptr() % _ALIGN == 0, b.data_ptr() % _ALIGN == 0, bias is not None,
+           a.device, getattr(_forced, "name", None))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, b_form, bias, out_dtype, m, n, k)
+        if len(_plans) > 8192:
+            _plans.clear()
+        _plans[key] = plan
+
+    if plan.stage_a:
+        a = _stage_k_major(a, 1)
+    if plan.stage_b:
+        b = _stage_k_major(b, 1 if b_form == "nk" else 0)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    if plan.pad_n:
+        el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
+        c_full = torch.empty((m, -(-n // el) * el), dtype=out_dtype, device=a.device)
+        c = c_full[:, :n]
+    else:
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    dev = a.device.index
+    if dev is not None and dev != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            plan.fn(a, b, c, bias)
+    else:
+        plan.fn(a, b, c, bias)
+    return c.contiguous() if plan.pad_n else c
+
+
+def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names):
+    """Validate (clear Python errors before any launch), then run."""
+    check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
+    return gemm(a, b, b_form, bias, out_dtype)
+
+
+__all__ = ["gemm", "checked_gemm", "force_bucket", "arch_of", "_MAX_DIM"]

@@ -1,0 +1,148 @@
+"""The `detgemm-cute` command: audit, explain, and the lazy hand-offs (compile, demo,
+bench). User mistakes exit 1 with a message, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from detgemm_cute import cli
+from detgemm_cute import registry as R
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def _clean_user_layers(monkeypatch):
+    monkeypatch.delenv(R.ENV_VAR, raising=False)
+    R.reset_user_configs()
+    yield
+    R.reset_user_configs()
+
+
+def test_audit_prints_every_bucket(capsys):
+    assert cli.main(["audit"]) == 0
+    out = capsys.readouterr().out
+    for b in R.load_builtin("sm90").buckets:
+        assert b.name in out
+        assert f"sm90.yaml:{b.line}" in out
+    assert "coverage fwd bf16: every (M, N, K) >= 1 is served by exactly one" in out
+    assert "coverage fwd fp16" in out
+    assert out.rstrip().endswith("audit: OK")
+
+
+def test_audit_with_a_user_layer_shows_shadowing(capsys):
+    assert cli.main(["audit", "--arch", "sm90", "--config",
+                     str(FIXTURES / "user_small_m.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "my_decode" in out and "user 1" in out and "user_small_m.yaml" in out
+    assert "fwd_m17_64 (" in out and "shadows the same-named bucket" in out
+
+
+@pytest.mark.parametrize("fixture, words", [
+    ("overlap.yaml", ["bucket 'overlapping'", "field 'm'", "overlaps bucket 'small'"]),
+    ("bad_tile.yaml", ["bucket 'odd_tile'", "field 'tile'"]),
+    ("malformed.yaml", ["malformed YAML"]),
+    ("bad_arch.yaml", ["field 'arch'", "unknown arch 'sm75'"]),
+])
+def test_audit_with_a_broken_config_fails(capsys, fixture, words):
+    assert cli.main(["audit", "--config", str(FIXTURES / fixture)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert fixture in captured.err
+    for w in words:
+        assert w in captured.err
+    assert all(line.startswith("detgemm-cute: ") for line in captured.err.splitlines())
+
+
+def test_audit_reports_a_broken_builtin(monkeypatch, tmp_path, capsys):
+    (tmp_path / "sm90.yaml").write_text((FIXTURES / "gap.yaml").read_text())
+    monkeypatch.setattr(R, "BUILTIN_DIR", tmp_path)
+    assert cli.main(["audit"]) == 1
+    err = capsys.readouterr().err
+    assert "sm90.yaml" in err and "field 'm'" in err and "M 65..127" in err
+    assert "bucket 'low'" in err
+
+
+def test_explain_names_bucket_file_and_line(capsys):
+    b = R.get_registry("sm90").lookup("fwd", "bf16", 100, 4096, 4096)
+    assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "100", "4096", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert b.name in out and f"sm90.yaml:{b.line}" in out
+    assert "M=100 in [65, 256], N any, K any" in out
+
+
+def test_explain_with_config_shows_shadowed(capsys):
+    path = FIXTURES / "user_small_m.yaml"
+    assert cli.main(["explain", "--config", str(path), "4", "64", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "my_decode" in out and "user_small_m.yaml:4" in out
+    assert "shadows: fwd_m1_16" in out
+    # The CLI's layers do not leak into the process-wide registry.
+    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_m1_16"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["explain", "--arch", "sm80", "1", "2", "3"], "SM80 (cp.async + mma.sync) kernel family"),
+    (["explain", "--arch", "sm75", "1", "2", "3"], "unknown arch 'sm75'"),
+    (["explain", "--op", "dx", "1", "2", "3"], "no sm90 bucket serves op dx"),
+    (["explain", "0", "2", "3"], "M must be an integer >= 1"),
+])
+def test_explain_errors_are_one_line_messages(capsys, argv, words):
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_usage_errors_return_2(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["explain", "--dtype", "fp32", "1", "2", "3"]) == 2
+    assert cli.main(["--help"]) == 0
+
+
+def test_compile_hands_off_to_aot(monkeypatch):
+    calls = []
+    fake = types.ModuleType("detgemm_cute.aot")
+
+    def compile_buckets(arch, bucket_names, out=print):
+        calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name))
+        out("compiled")
+        return 3
+
+    fake.compile_buckets = compile_buckets
+    monkeypatch.setitem(sys.modules, "detgemm_cute.aot", fake)
+    assert cli.main(["compile"]) == 3
+    assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "a", "--bucket", "b",
+                     "--config", str(FIXTURES / "user_small_m.yaml")]) == 3
+    assert calls == [("sm_90a", None, "fwd_m1_16"), ("sm_90a", ["a", "b"], "my_decode")]
+
+
+def test_compile_with_a_broken_config(capsys):
+    assert cli.main(["compile", "--config", str(FIXTURES / "bad_cluster.yaml")]) == 1
+    assert "bucket 'big_cluster': field 'cluster'" in capsys.readouterr().err
+
+
+def test_demo_hands_off(monkeypatch):
+    seen = []
+    fake = types.ModuleType("detgemm_cute.demo")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "detgemm_cute.demo", fake)
+    assert cli.main(["demo"]) == 0
+    assert cli.main(["demo", "--quick"]) == 0
+    assert seen == [[], ["--quick"]]
+
+
+def test_bench_runs_the_source_tree_script(monkeypatch, tmp_path):
+    script = tmp_path / "bench_gemm.py"
+    script.write_text("def main(argv=None):\n    print('bench', argv)\n    return 5\n")
+    monkeypatch.setattr(cli, "_BENCH", script)
+    assert cli.main(["bench", "--quick", "--dtype", "fp16"]) == 5
+
+
+def test_bench_without_source_tree(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "_BENCH", tmp_path / "missing.py")
+    assert cli.main(["bench"]) == 1
+    assert "bench/ ships with the source tree" in capsys.readouterr().out

@@ -1,0 +1,189 @@
+"""Dispatch: a memoised table lookup. Bucket boundaries, user-layer precedence and
+shadowing, memo invalidation, environment layers, and arch selection."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from detgemm_cute import dispatch as D
+from detgemm_cute import registry as R
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+BIG = 2**31 - 1
+
+
+@pytest.fixture(autouse=True)
+def _clean_user_layers(monkeypatch):
+    monkeypatch.delenv(R.ENV_VAR, raising=False)
+    R.reset_user_configs()
+    yield
+    R.reset_user_configs()
+
+
+def _write(tmp_path, name, bucket_name, m, dtypes="[bf16]", extra=""):
+    p = tmp_path / name
+    p.write_text(f"arch: sm90\nbuckets:\n  - name: {bucket_name}\n    op: fwd\n"
+                 f"    dtypes: {dtypes}\n    m: {m}\n    tile: [64, 64, 64]\n    stages: 4\n"
+                 f"{extra}")
+    return p
+
+
+def _containing(buckets, m):
+    (b,) = [b for b in buckets if b.contains(m, 1, 1)]
+    return b
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_every_builtin_boundary(dtype):
+    buckets = R.load_builtin("sm90").buckets
+    for b in buckets:
+        lo, hi = b.m
+        points = [lo] + ([hi] if hi is not None else [BIG])
+        for m in points:
+            for n, k in [(1, 1), (4096, 4096), (BIG, BIG)]:
+                assert D.lookup("fwd", dtype, "sm90", m, n, k).name == b.name, (m, n, k)
+        if lo > 1:
+            got = D.lookup("fwd", dtype, "sm90", lo - 1, 4096, 4096)
+            assert got.name != b.name and got.name == _containing(buckets, lo - 1).name
+        if hi is not None:
+            got = D.lookup("fwd", dtype, "sm90", hi + 1, 4096, 4096)
+            assert got.name != b.name and got.name == _containing(buckets, hi + 1).name
+
+
+def test_warm_lookup_is_a_dict_hit(monkeypatch):
+    b = D.lookup("fwd", "bf16", "sm90", 100, 4096, 4096)
+    assert D._memo[("fwd", "bf16", "sm90", 100, 4096, 4096)] is b
+
+    def boom(arch):
+        raise AssertionError("registry consulted on a warm lookup")
+
+    monkeypatch.setattr(R, "get_registry", boom)
+    assert D.lookup("fwd", "bf16", "sm90", 100, 4096, 4096) is b
+
+
+def test_memo_is_cleared_when_configs_change():
+    g0 = D.generation()
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_m1_16"
+    R.add_config(FIXTURES / "user_small_m.yaml")
+    assert D.generation() != g0
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "my_decode"
+    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_m1_16"  # bf16-only bucket
+    user = D.lookup("fwd", "fp16", "sm90", 32, 64, 64)
+    assert user.name == "fwd_m17_64" and user.layer == 1 and user.tile == (64, 128, 64)
+    R.reset_user_configs()
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_m1_16"
+    assert D.lookup("fwd", "fp16", "sm90", 32, 64, 64).layer == 0
+
+
+def test_last_added_layer_wins_and_explain_shows_shadowing(tmp_path):
+    R.add_config(_write(tmp_path, "one.yaml", "first", "[1, 100]"))
+    R.add_config(_write(tmp_path, "two.yaml", "second", "[50, 60]"))
+    assert D.lookup("fwd", "bf16", "sm90", 55, 8, 8).name == "second"
+    assert D.lookup("fwd", "bf16", "sm90", 61, 8, 8).name == "first"
+    ex = D.explain("fwd", "bf16", "sm90", 55, 8, 8)
+    assert (ex.bucket.name, ex.layer, ex.line) == ("second", 2, 3)
+    assert ex.source == tmp_path / "two.yaml"
+    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_m17_64", 0)]
+    text = str(ex)
+    assert "second (" in text and "two.yaml:3" in text and "layer 2 = user 2" in text
+    assert "shadows: first" in text and "shadows: fwd_m17_64" in text
+
+
+def test_same_name_shadowing_is_explained():
+    R.add_config(FIXTURES / "user_small_m.yaml")
+    assert D.bucket_by_name("sm90", "fwd_m17_64").layer == 1
+    ex = D.explain("fwd", "bf16", "sm90", 20, 8, 8)
+    assert ex.bucket.layer == 1 and ex.shadowed[0].name == "fwd_m17_64"
+    assert ex.shadowed[0].layer == 0 and ex.same_name == ex.shadowed
+    assert "user_small_m.yaml" in str(ex) and "sm90.yaml" in str(ex)
+
+
+def test_explain_reason_and_text():
+    ex = D.explain("fwd", torch.bfloat16, "sm90", 100, 4096, 4096)
+    assert ex.bucket.name == "fwd_m65_256" and ex.dtype == "bf16"
+    assert ex.reason == "M=100 in [65, 256], N any, K any"
+    assert ex.shadowed == () and ex.layer == 0
+    assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
+    assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
+        "M=5000 in [1025, inf), N any, K any"
+
+
+def test_explain_with_bounded_n_and_k(tmp_path):
+    R.add_config(_write(tmp_path, "u.yaml", "narrow", "[1, 8]",
+                        extra="    n: [1, 4096]\n    k: [256, null]\n"))
+    ex = D.explain("fwd", "bf16", "sm90", 3, 4096, 300)
+    assert ex.reason == "M=3 in [1, 8], N=4096 in [1, 4096], K=300 in [256, inf)"
+    assert D.lookup("fwd", "bf16", "sm90", 3, 4097, 300).layer == 0
+    assert D.lookup("fwd", "bf16", "sm90", 3, 4096, 255).layer == 0
+
+
+def test_env_var_configs(monkeypatch, tmp_path):
+    a = _write(tmp_path, "a.yaml", "env_a", "[1, 4]")
+    b = _write(tmp_path, "b.yaml", "env_b", "[3, 3]")
+    monkeypatch.setenv(R.ENV_VAR, os.pathsep.join([str(a), str(b)]))
+    R.reset_user_configs()
+    assert D.lookup("fwd", "bf16", "sm90", 3, 8, 8).name == "env_b"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).name == "env_a"
+    # add_config goes above the environment layers.
+    R.add_config(_write(tmp_path, "c.yaml", "api_c", "[1, 3]"))
+    assert D.lookup("fwd", "bf16", "sm90", 3, 8, 8).name == "api_c"
+    assert D.explain("fwd", "bf16", "sm90", 3, 8, 8).layer == 3
+
+
+def test_broken_env_config_fails_loudly(monkeypatch):
+    monkeypatch.setenv(R.ENV_VAR, str(FIXTURES / "bad_tile.yaml"))
+    R.reset_user_configs()
+    with pytest.raises(R.ConfigError, match="bad_tile.yaml:7: bucket 'odd_tile': field 'tile'"):
+        D.lookup("fwd", "bf16", "sm90", 1, 1, 1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="M must be an integer >= 1"):
+        D.lookup("fwd", "bf16", "sm90", 0, 8, 8)
+    with pytest.raises(ValueError, match="K must be an integer >= 1"):
+        D.explain("fwd", "bf16", "sm90", 1, 8, -1)
+    with pytest.raises(ValueError, match="unknown op"):
+        D.lookup("bwd", "bf16", "sm90", 1, 8, 8)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        D.lookup("fwd", "fp32", "sm90", 1, 8, 8)
+    with pytest.raises(R.NoBucketError, match="op dx dtype bf16.*declares ops: fwd"):
+        D.lookup("dx", "bf16", "sm90", 1, 8, 8)
+    with pytest.raises(R.NoBucketError, match="named 'nope'"):
+        D.bucket_by_name("sm90", "nope")
+    with pytest.raises(RuntimeError, match="SM80.*not available yet"):
+        D.lookup("fwd", "bf16", "sm80", 1, 8, 8)
+
+
+def test_dtype_name():
+    assert D.dtype_name(torch.bfloat16) == "bf16"
+    assert D.dtype_name(torch.half) == "fp16"
+    assert D.dtype_name("fp16") == "fp16"
+    with pytest.raises(TypeError, match="torch.bfloat16.*torch.float16"):
+        D.dtype_name(torch.float32)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        D.dtype_name("fp8")
+
+
+def test_arch_for_capability():
+    assert D.arch_for_capability(9, 0) == "sm90"
+    for minor in (0, 6, 7, 9):
+        assert D.arch_for_capability(8, minor) == "sm80"
+    for cap in [(7, 5), (7, 0), (6, 1)]:
+        with pytest.raises(RuntimeError, match="needs an SM80\\+ GPU"):
+            D.arch_for_capability(*cap)
+    for cap in [(10, 0), (12, 0), (11, 0)]:
+        with pytest.raises(RuntimeError, match="only sm90 kernels exist.*sm_90a-only"):
+            D.arch_for_capability(*cap)
+
+
+def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
+    R.add_config(_write(tmp_path, "u.yaml", "fwd_m1_16", "[2000, 3000]"))
+    ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
+    assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_m1025_up"]
+    assert [b.layer for b in ex.same_name] == [0]
+    assert "hides:   fwd_m1_16 (" in str(ex) and "same name" in str(ex)
+    assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served
