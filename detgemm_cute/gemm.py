@@ -95,11 +95,12 @@ def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
 
 
 class _Plan:
-    __slots__ = ("fn", "stage_a", "stage_b", "b_form", "pad_n", "out_dtype")
+    __slots__ = ("fn", "stage_a", "stage_b", "b_form", "pad_n", "out_dtype", "max_clusters")
 
-    def __init__(self, fn, stage_a, stage_b, b_form, pad_n, out_dtype):
+    def __init__(self, fn, stage_a, stage_b, b_form, pad_n, out_dtype, max_clusters):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.b_form, self.pad_n, self.out_dtype = b_form, pad_n, out_dtype
+        self.max_clusters = max_clusters
 
 
 def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
@@ -122,7 +123,9 @@ def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch="sm_90a")
-    return _Plan(kcompile.get(key), stage_a, stage_b, b_form, pad_n, out_dtype)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    return _Plan(kcompile.get(key), stage_a, stage_b, b_form, pad_n, out_dtype, max_clusters)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
@@ -163,9 +166,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     dev = a.device.index
     if dev is not None and dev != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            plan.fn(a, b, c, bias)
+            plan.fn(a, b, c, bias, plan.max_clusters)
     else:
-        plan.fn(a, b, c, bias)
+        plan.fn(a, b, c, bias, plan.max_clusters)
     return c.contiguous() if plan.pad_n else c
 
 

@@ -39,7 +39,7 @@ def test_audit_with_a_user_layer_shows_shadowing(capsys):
                      str(FIXTURES / "user_small_m.yaml")]) == 0
     out = capsys.readouterr().out
     assert "my_decode" in out and "user 1" in out and "user_small_m.yaml" in out
-    assert "fwd_m17_64 (" in out and "shadows the same-named bucket" in out
+    assert "fwd_small_m (" in out and "shadows the same-named bucket" in out
 
 
 @pytest.mark.parametrize("fixture, words", [
@@ -72,7 +72,7 @@ def test_explain_names_bucket_file_and_line(capsys):
     assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "100", "4096", "4096"]) == 0
     out = capsys.readouterr().out
     assert b.name in out and f"sm90.yaml:{b.line}" in out
-    assert "M=100 in [65, 256], N any, K any" in out
+    assert "M=100 in [17, 128], N=4096 in [1, 8192], K any" in out
 
 
 def test_explain_with_config_shows_shadowed(capsys):
@@ -80,9 +80,9 @@ def test_explain_with_config_shows_shadowed(capsys):
     assert cli.main(["explain", "--config", str(path), "4", "64", "64"]) == 0
     out = capsys.readouterr().out
     assert "my_decode" in out and "user_small_m.yaml:4" in out
-    assert "shadows: fwd_m1_16" in out
+    assert "shadows: fwd_decode" in out
     # The CLI's layers do not leak into the process-wide registry.
-    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_m1_16"
+    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -117,7 +117,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     assert cli.main(["compile"]) == 3
     assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "a", "--bucket", "b",
                      "--config", str(FIXTURES / "user_small_m.yaml")]) == 3
-    assert calls == [("sm_90a", None, "fwd_m1_16"), ("sm_90a", ["a", "b"], "my_decode")]
+    assert calls == [("sm_90a", None, "fwd_decode"), ("sm_90a", ["a", "b"], "my_decode")]
 
 
 def test_compile_with_a_broken_config(capsys):

@@ -32,26 +32,33 @@ def _write(tmp_path, name, bucket_name, m, dtypes="[bf16]", extra=""):
     return p
 
 
-def _containing(buckets, m):
-    (b,) = [b for b in buckets if b.contains(m, 1, 1)]
+def _containing(buckets, m, n, k):
+    (b,) = [b for b in buckets if b.contains(m, n, k)]
     return b
+
+
+def _ends(rng):
+    lo, hi = rng
+    return [lo, hi if hi is not None else BIG]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_every_builtin_boundary(dtype):
+    """Every corner of every bucket's (M, N, K) box maps to it; one step outside maps to
+    the one bucket that contains that point."""
     buckets = R.load_builtin("sm90").buckets
     for b in buckets:
-        lo, hi = b.m
-        points = [lo] + ([hi] if hi is not None else [BIG])
-        for m in points:
-            for n, k in [(1, 1), (4096, 4096), (BIG, BIG)]:
-                assert D.lookup("fwd", dtype, "sm90", m, n, k).name == b.name, (m, n, k)
-        if lo > 1:
-            got = D.lookup("fwd", dtype, "sm90", lo - 1, 4096, 4096)
-            assert got.name != b.name and got.name == _containing(buckets, lo - 1).name
-        if hi is not None:
-            got = D.lookup("fwd", dtype, "sm90", hi + 1, 4096, 4096)
-            assert got.name != b.name and got.name == _containing(buckets, hi + 1).name
+        for m in _ends(b.m):
+            for n in _ends(b.n):
+                for k in _ends(b.k):
+                    assert D.lookup("fwd", dtype, "sm90", m, n, k).name == b.name, (m, n, k)
+                    for dm, dn, dk in ((-1, 0, 0), (1, 0, 0), (0, -1, 0), (0, 1, 0),
+                                       (0, 0, -1), (0, 0, 1)):
+                        p = (m + dm, n + dn, k + dk)
+                        if min(p) < 1 or max(p) > BIG or b.contains(*p):
+                            continue
+                        got = D.lookup("fwd", dtype, "sm90", *p)
+                        assert got.name == _containing(buckets, *p).name != b.name, p
 
 
 def test_warm_lookup_is_a_dict_hit(monkeypatch):
@@ -67,15 +74,15 @@ def test_warm_lookup_is_a_dict_hit(monkeypatch):
 
 def test_memo_is_cleared_when_configs_change():
     g0 = D.generation()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_m1_16"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode"
     R.add_config(FIXTURES / "user_small_m.yaml")
     assert D.generation() != g0
     assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "my_decode"
-    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_m1_16"  # bf16-only bucket
+    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode"  # bf16-only bucket
     user = D.lookup("fwd", "fp16", "sm90", 32, 64, 64)
-    assert user.name == "fwd_m17_64" and user.layer == 1 and user.tile == (64, 128, 64)
+    assert user.name == "fwd_small_m" and user.layer == 1 and user.tile == (64, 128, 64)
     R.reset_user_configs()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_m1_16"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode"
     assert D.lookup("fwd", "fp16", "sm90", 32, 64, 64).layer == 0
 
 
@@ -87,29 +94,29 @@ def test_last_added_layer_wins_and_explain_shows_shadowing(tmp_path):
     ex = D.explain("fwd", "bf16", "sm90", 55, 8, 8)
     assert (ex.bucket.name, ex.layer, ex.line) == ("second", 2, 3)
     assert ex.source == tmp_path / "two.yaml"
-    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_m17_64", 0)]
+    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_small_m", 0)]
     text = str(ex)
     assert "second (" in text and "two.yaml:3" in text and "layer 2 = user 2" in text
-    assert "shadows: first" in text and "shadows: fwd_m17_64" in text
+    assert "shadows: first" in text and "shadows: fwd_small_m" in text
 
 
 def test_same_name_shadowing_is_explained():
     R.add_config(FIXTURES / "user_small_m.yaml")
-    assert D.bucket_by_name("sm90", "fwd_m17_64").layer == 1
+    assert D.bucket_by_name("sm90", "fwd_small_m").layer == 1
     ex = D.explain("fwd", "bf16", "sm90", 20, 8, 8)
-    assert ex.bucket.layer == 1 and ex.shadowed[0].name == "fwd_m17_64"
+    assert ex.bucket.layer == 1 and ex.shadowed[0].name == "fwd_small_m"
     assert ex.shadowed[0].layer == 0 and ex.same_name == ex.shadowed
     assert "user_small_m.yaml" in str(ex) and "sm90.yaml" in str(ex)
 
 
 def test_explain_reason_and_text():
     ex = D.explain("fwd", torch.bfloat16, "sm90", 100, 4096, 4096)
-    assert ex.bucket.name == "fwd_m65_256" and ex.dtype == "bf16"
-    assert ex.reason == "M=100 in [65, 256], N any, K any"
+    assert ex.bucket.name == "fwd_small_m" and ex.dtype == "bf16"
+    assert ex.reason == "M=100 in [17, 128], N=4096 in [1, 8192], K any"
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
-        "M=5000 in [1025, inf), N any, K any"
+        "M=5000 in [1025, inf), N any, K=1 in [1, 1024]"
 
 
 def test_explain_with_bounded_n_and_k(tmp_path):
@@ -181,9 +188,9 @@ def test_arch_for_capability():
 
 
 def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
-    R.add_config(_write(tmp_path, "u.yaml", "fwd_m1_16", "[2000, 3000]"))
+    R.add_config(_write(tmp_path, "u.yaml", "fwd_decode", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
-    assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_m1025_up"]
+    assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_large_short_k"]
     assert [b.layer for b in ex.same_name] == [0]
-    assert "hides:   fwd_m1_16 (" in str(ex) and "same name" in str(ex)
+    assert "hides:   fwd_decode (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served

@@ -60,7 +60,6 @@ class _Sm90Base:
         self.num_mma_threads = _WG * self.mma_warp_groups
         self.threads_per_cta = _WG * (self.mma_warp_groups + self.producer_warpgroups)
         self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1])
-        self.epi_stage = sm90_limits.EPI_STAGES
         self.buffer_align_bytes = 1024
         self.is_a_mcast = cluster[1] > 1
         self.is_b_mcast = cluster[0] > 1
@@ -80,6 +79,7 @@ class _Sm90Base:
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
+        self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),

@@ -16,7 +16,12 @@ STAGES = (2, 16)  # inclusive
 SMEM_BYTES = 232448  # 227 KiB usable per CTA on sm_90
 BARRIER_BYTES = 1024
 IN_BYTES = 2  # bf16 / fp16 operands
-EPI_STAGES = 4
+EPI_BYTES_PER_ROWCOL = 8  # 4 stages of 16-bit output or 2 stages of fp32: same smem
+
+
+def epi_stages(out_bytes: int) -> int:
+    """Epilogue staging buffers: a fixed byte budget, so fp32 outputs get half the stages."""
+    return EPI_BYTES_PER_ROWCOL // out_bytes
 
 
 def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
@@ -34,12 +39,12 @@ def warpgroups(tile_m: int, tile_n: int) -> int:
     return 2 if _two_warpgroups(tile_m, tile_n) else 1
 
 
-def smem_bytes(tile: tuple[int, int, int], stages: int, out_bytes: int = 4) -> int:
+def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
     """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
-    buffer (its own region, so any output dtype fits)."""
+    buffer (its own region of the same size for every output dtype)."""
     bm, bn, bk = tile
     er, ec = epilogue_tile(bm, bn)
-    return stages * (bm + bn) * bk * IN_BYTES + BARRIER_BYTES + EPI_STAGES * er * ec * out_bytes
+    return stages * (bm + bn) * bk * IN_BYTES + BARRIER_BYTES + EPI_BYTES_PER_ROWCOL * er * ec
 
 
 def max_stages(tile: tuple[int, int, int]) -> int:
