@@ -22,15 +22,14 @@ import threading
 import torch
 
 from . import compile as kcompile
-from . import dispatch
+from . import dispatch, registry
 from .errors import check_gemm_args
 
 _ALIGN = 16
 _MAX_DIM = 2**31 - 1
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-_plans: dict = {}
-_plans_generation = [None]
+_plans: dict = {}  # cleared whenever the registry's user layers change
 _arch_of_device: dict = {}
 _forced = threading.local()
 
@@ -128,29 +127,34 @@ def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
     return _Plan(kcompile.get(key), stage_a, stage_b, b_form, pad_n, out_dtype, max_clusters)
 
 
+def _key(a, b, b_form, bias, out_dtype):
+    """Everything the plan and the input checks depend on, so a hit needs neither again."""
+    return (a.shape, b.shape, a.dtype, b.dtype, out_dtype, b_form, a.stride(), b.stride(),
+            a.data_ptr() % _ALIGN == 0, b.data_ptr() % _ALIGN == 0, a.device, b.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()),
+            getattr(_forced, "name", None))
+
+
+def _plan_for(a, b, b_form, bias, out_dtype, key, m, n, k):
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, b_form, bias, out_dtype or a.dtype, m, n, k)
+        if len(_plans) > 8192:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
-         out_dtype: torch.dtype | None) -> torch.Tensor:
+         out_dtype: torch.dtype | None, key=None) -> torch.Tensor:
     """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
     out_dtype = out_dtype or a.dtype
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
-
-    gen = dispatch.generation()
-    if _plans_generation[0] != gen:
-        _plans.clear()
-        _plans_generation[0] = gen
-    key = (m, n, k, a.dtype, out_dtype, b_form, a.stride(), b.stride(),
-           a.data_ptr() % _ALIGN == 0, b.data_ptr() % _ALIGN == 0, bias is not None,
-           a.device, getattr(_forced, "name", None))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(a, b, b_form, bias, out_dtype, m, n, k)
-        if len(_plans) > 8192:
-            _plans.clear()
-        _plans[key] = plan
-
+    plan = _plan_for(a, b, b_form, bias, out_dtype, key or _key(a, b, b_form, bias, out_dtype),
+                     m, n, k)
     if plan.stage_a:
         a = _stage_k_major(a, 1)
     if plan.stage_b:
@@ -164,7 +168,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     else:
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     dev = a.device.index
-    if dev is not None and dev != torch.cuda.current_device():
+    if dev is not None and dev != _current_device():
         with torch.cuda.device(dev):
             plan.fn(a, b, c, bias, plan.max_clusters)
     else:
@@ -173,9 +177,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
 
 
 def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names):
-    """Validate (clear Python errors before any launch), then run."""
-    check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
-    return gemm(a, b, b_form, bias, out_dtype)
+    """Validate (clear Python errors before any launch), then run. A call whose key (shapes,
+    dtypes, strides, devices, alignment) already has a plan passed these checks before."""
+    try:
+        key = _key(a, b, b_form, bias, out_dtype)
+        hit = key in _plans
+    except AttributeError:  # not tensors: let the checks name the argument
+        key, hit = None, False
+    if not hit:
+        check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
+    return gemm(a, b, b_form, bias, out_dtype, key)
 
+
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+registry.on_change(_plans.clear)
 
 __all__ = ["gemm", "checked_gemm", "force_bucket", "arch_of", "_MAX_DIM"]

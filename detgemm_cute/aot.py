@@ -1,0 +1,79 @@
+"""Ahead-of-time compilation of every bucket, with an audit of the generated PTX.
+
+Runs on a CPU-only machine (`--gpu-arch sm_90a`): CI uses it to prove that every bucket the
+tables declare builds, that the kernels use WGMMA and TMA bulk copies, and that no atomic or
+reduction instruction (the usual way a GEMM becomes order-dependent) is in the code.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+
+from . import compile as kcompile
+from . import registry
+
+_BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
+_REQUIRED = ("wgmma.mma_async", "cp.async.bulk.tensor")
+
+# "core": one key per bucket and dtype plus an fp32-output, [K, N]-weight variant;
+# "all": every dtype x output x layout x bias combination the op layer can ask for.
+_LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m", "nk", "last"))
+
+
+def audit_ptx(ptx: str) -> list[str]:
+    """Problems with one kernel's PTX (empty when it passes)."""
+    problems = [f"missing {r}" for r in _REQUIRED if r not in ptx]
+    problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
+    return problems
+
+
+def _variants(bucket, which: str):
+    for dtype in bucket.dtypes:
+        if which == "core":
+            yield dict(dtype=dtype, out_dtype=dtype, a_major="k", b_form="nk", b_contig="last",
+                       has_bias=True)
+            continue
+        for out in (dtype, "fp32"):
+            for a_major, b_form, b_contig in _LAYOUTS:
+                for bias in (False, True):
+                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
+                               b_contig=b_contig, has_bias=bias)
+    if which == "core":
+        yield dict(dtype=bucket.dtypes[0], out_dtype="fp32", a_major="k", b_form="kn",
+                   b_contig="last", has_bias=False)
+
+
+def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
+    """Compile (and audit) the fwd buckets of `arch` ('sm_90a'); 0 when all pass."""
+    reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
+    buckets = [b for b in reg.buckets if b.op == "fwd"]
+    if bucket_names:
+        known = {b.name for b in buckets}
+        unknown = [n for n in bucket_names if n not in known]
+        if unknown:
+            out(f"compile: unknown bucket(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            return 1
+        buckets = [b for b in buckets if b.name in bucket_names]
+    failures = total = 0
+    t_all = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in buckets:
+            for call in _variants(b, variants):
+                key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
+                label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
+                         f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}")
+                t0 = time.time()
+                total += 1
+                try:
+                    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
+                    problems = audit_ptx(fn.__ptx__ or "")
+                except Exception as e:  # report every bucket, not just the first failure
+                    problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+                status = "OK" if not problems else "FAIL " + "; ".join(problems)
+                failures += bool(problems)
+                out(f"{label}  {time.time() - t0:5.1f}s  {status}")
+    out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
+        f"({len(buckets)} buckets, {time.time() - t_all:.0f}s)")
+    return 0 if failures == 0 else 1
