@@ -59,10 +59,9 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
 
 def check_devices(a, b, bias, op, names=("a", "b", "bias")):
     an, bn, biasn = names
-    if a.device.type != "cuda":
-        raise ValueError(
-            f"{op}: {an} is on {a.device}; detgemm kernels run on CUDA tensors (SM90 GPU). "
-            f"For CPU tensors use detgemm_cute.reference, which reproduces the GPU chain.")
+    if a.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{op}: {an} is on {a.device}; detgemm runs on CUDA tensors (SM90 "
+                         f"kernels) and on CPU tensors (the bit-exact reference)")
     if b.device != a.device:
         raise ValueError(f"{op}: {bn} is on {b.device} but {an} is on {a.device}; "
                          f"both must be on the same CUDA device")

@@ -153,6 +153,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     out_dtype = out_dtype or a.dtype
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    if a.device.type == "cpu":
+        return _on_cpu(a, b, b_form, bias, out_dtype)
     plan = _plan_for(a, b, b_form, bias, out_dtype, key or _key(a, b, b_form, bias, out_dtype),
                      m, n, k)
     if plan.stage_a:
@@ -174,6 +176,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     else:
         plan.fn(a, b, c, bias, plan.max_clusters)
     return c.contiguous() if plan.pad_n else c
+
+
+def _on_cpu(a, b, b_form, bias, out_dtype):
+    """CPU tensors: the bit-exact reference of the SM90 chain (same bits, much slower)."""
+    from . import reference
+
+    if b_form == "nk":
+        return reference.linear(a, b, bias, out_dtype=out_dtype)
+    if bias is None:
+        return reference.mm(a, b, out_dtype=out_dtype)
+    return reference.addmm(bias, a, b, out_dtype=out_dtype)
 
 
 def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names):

@@ -330,3 +330,31 @@ def test_probe_gpu_behaviour_table():
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "model": R.MODEL.__dict__, "rows": rows}, f, indent=1)
     assert len(rows) == len(probe_cases())
+
+
+# Volume: many outputs through every kind of bucket, wide exponent ranges, all out dtypes.
+VOLUME_CASES = [  # (M, N, K, dtype, out_dtype, bias)
+    (2048, 1024, 256, BF16, BF16, True), (2048, 1024, 64, FP16, FP32, False),
+    (1500, 1000, 100, BF16, FP32, True), (700, 2048, 48, FP16, FP16, True),
+    (300, 4096, 16, BF16, BF16, False), (4100, 1100, 1040, BF16, BF16, False),
+    (129, 9000, 96, FP16, BF16, True), (16, 8192, 512, BF16, FP32, True),
+    (1024, 1024, 2000, FP16, FP16, False), (64, 4096, 256, BF16, BF16, True),
+]
+
+
+def test_volume_ten_million_outputs():
+    total, failures = 0, []
+    for i, (m, n, k, dtype, out_dtype, use_bias) in enumerate(VOLUME_CASES):
+        g = torch.Generator().manual_seed(7000 + i)
+        spread = 20 if dtype == BF16 and out_dtype != FP16 else 5
+        x = _operand((m, k), dtype, g, spread, 0.02, 0.002, 0.0)
+        w = _operand((n, k), dtype, g, spread, 0.02, 0.002, 0.0)
+        bias = _operand((n,), dtype, g, 4, 0.05, 0.01, 0.0) if use_bias else None
+        r = R.verify(x, w, _gpu_linear(x, w, bias, out_dtype), bias)
+        total += r.checked
+        if not r.ok:
+            failures.append(f"volume case {i} M={m} N={n} K={k}: {r}")
+    _checked["outputs"] += total
+    print(f"\nvolume: {total} outputs bit-identical to the reference")
+    assert total >= 10_000_000
+    assert not failures, "\n".join(failures)
