@@ -121,6 +121,18 @@ def cmd_compile(args, out) -> int:
     return compile_buckets(args.arch, args.bucket or None, out=out)
 
 
+def cmd_verify(args, out) -> int:
+    import torch
+
+    from . import reference
+
+    load = lambda p: torch.load(p, map_location="cpu", weights_only=True)  # noqa: E731
+    r = reference.verify(load(args.x), load(args.weight), load(args.result),
+                         load(args.bias) if args.bias else None)
+    out(str(r))
+    return 0 if r.ok else 1
+
+
 def cmd_demo(args, out) -> int:
     from .demo import main as demo_main
 
@@ -174,6 +186,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true")
     d.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_demo)
+
+    v = sub.add_parser("verify", help="check a GPU result against the bit-exact CPU reference")
+    v.add_argument("x", help="input [.., K] saved with torch.save")
+    v.add_argument("weight", help="weight [N, K] saved with torch.save")
+    v.add_argument("result", help="the result to check, saved with torch.save")
+    v.add_argument("--bias", help="bias [N] saved with torch.save")
+    v.set_defaults(func=cmd_verify)
 
     b = sub.add_parser("bench", help="benchmark against cuBLAS (source tree only)")
     b.add_argument("rest", nargs=argparse.REMAINDER,

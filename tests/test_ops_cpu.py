@@ -86,3 +86,19 @@ def test_bad_input_messages_name_the_argument(call, exc, words):
 
 def test_m_zero():
     assert dg.linear(rand(0, 8), rand(3, 8)).shape == (0, 3)
+
+
+def test_cli_verify(tmp_path, capsys):
+    from detgemm_cute import cli
+
+    x, w, b = rand(6, 40), rand(10, 40), rand(10)
+    y = reference.linear(x, w, b)
+    for name, t in (("x", x), ("w", w), ("b", b), ("y", y)):
+        torch.save(t, tmp_path / f"{name}.pt")
+    args = [str(tmp_path / "x.pt"), str(tmp_path / "w.pt"), str(tmp_path / "y.pt"),
+            "--bias", str(tmp_path / "b.pt")]
+    assert cli.main(["verify", *args]) == 0
+    bad = y.clone()
+    bad.view(torch.int16)[2, 3] ^= 1
+    torch.save(bad, tmp_path / "y.pt")
+    assert cli.main(["verify", *args]) == 1
