@@ -41,12 +41,20 @@ def _variants(bucket, which: str):
                     yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
                                b_contig=b_contig, has_bias=bias)
     if which == "core":
-        yield dict(dtype=bucket.dtypes[0], out_dtype="fp32", a_major="k", b_form="kn",
-                   b_contig="last", has_bias=False)
+        dtype = "bf16" if "bf16" in bucket.dtypes else bucket.dtypes[0]
+        yield dict(dtype=dtype, out_dtype="fp32", a_major="k", b_form="kn", b_contig="last",
+                   has_bias=False)
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
-    """Compile (and audit) the fwd buckets of `arch` ('sm_90a'); 0 when all pass."""
+    """Compile (and audit) the fwd buckets of `arch` ('sm_90a'); 0 when all pass.
+
+    `variants`: "core" (one key per bucket and dtype, plus bf16 [K, N] weight -> fp32) or
+    "all" (dtype x output dtype x layout x bias). A key shared by several buckets (same tile,
+    cluster, stages, persistence) is compiled once; its later buckets reuse the result."""
+    if variants not in ("core", "all"):
+        out(f"compile: unknown variants {variants!r} (core or all)")
+        return 1
     reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
     buckets = [b for b in reg.buckets if b.op == "fwd"]
     if bucket_names:
@@ -57,6 +65,7 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
             return 1
         buckets = [b for b in buckets if b.name in bucket_names]
     failures = total = 0
+    done: dict = {}  # KernelKey -> (bucket name, problems) of its first compile
     t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for b in buckets:
@@ -66,14 +75,22 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}")
                 t0 = time.time()
                 total += 1
+                if key in done:
+                    first, problems = done[key]
+                    failures += bool(problems)
+                    status = "OK" if not problems else "FAIL " + "; ".join(problems)
+                    out(f"{label}  {0.0:5.1f}s  {status} (same kernel as {first})")
+                    continue
                 try:
                     fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
                     problems = audit_ptx(fn.__ptx__ or "")
                 except Exception as e:  # report every bucket, not just the first failure
                     problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+                done[key] = (b.name, problems)
                 status = "OK" if not problems else "FAIL " + "; ".join(problems)
                 failures += bool(problems)
                 out(f"{label}  {time.time() - t0:5.1f}s  {status}")
     out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
-        f"({len(buckets)} buckets, {time.time() - t_all:.0f}s)")
+        f"({len(done)} distinct, {len(buckets)} buckets, variants={variants}, "
+        f"{time.time() - t_all:.0f}s)")
     return 0 if failures == 0 else 1

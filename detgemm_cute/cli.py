@@ -118,7 +118,7 @@ def cmd_compile(args, out) -> int:
         reg.add_config(p, arch=arch)
     from .aot import compile_buckets
 
-    return compile_buckets(args.arch, args.bucket or None, out=out)
+    return compile_buckets(args.arch, args.bucket or None, out=out, variants=args.variants)
 
 
 def cmd_verify(args, out) -> int:
@@ -180,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="only this bucket (repeatable; default: all)")
     c.add_argument("--config", action="append", metavar="FILE",
                    help="user config to add before compiling (repeatable)")
+    c.add_argument("--variants", choices=("core", "all"), default="core",
+                   help="core: one key per bucket and dtype plus bf16 [K,N]->fp32 (default); "
+                        "all: every dtype x output x layout x bias combination")
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("demo", help="show determinism and batch invariance on this GPU")

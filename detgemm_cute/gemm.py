@@ -58,20 +58,10 @@ def arch_of(device: torch.device) -> str:
     return arch
 
 
-def _a_major(t: torch.Tensor) -> str | None:
-    """'k' or 'm' when TMA can read the [rows, K] operand in place, else None."""
-    s0, s1 = t.stride()
-    if t.data_ptr() % _ALIGN:
-        return None
-    el = _ALIGN // t.element_size()
-    if s1 == 1 and s0 % el == 0:
-        return "k"
-    if s0 == 1 and s1 % el == 0 and t.shape[1] > 1:
-        return "m"
-    return None
-
-
-def _b_contig(t: torch.Tensor) -> str | None:
+def _unit_dim(t: torch.Tensor) -> str | None:
+    """Which dim of a 2-D operand TMA can take as contiguous ("last" or "first"), or None
+    when it cannot read the tensor in place (no unit stride, a non-unit stride that is not
+    a multiple of 16 bytes, or a base pointer not 16-byte aligned)."""
     s0, s1 = t.stride()
     if t.data_ptr() % _ALIGN:
         return None
@@ -108,11 +98,9 @@ def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
     forced = getattr(_forced, "name", None)
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
               else dispatch.lookup("fwd", dtype, arch, m, n, k))
-    a_major = _a_major(a)
-    b_contig = _b_contig(b)
-    stage_a, stage_b = a_major is None, b_contig is None
-    if stage_a:
-        a_major = "k"
+    a_unit, b_contig = _unit_dim(a), _unit_dim(b)
+    stage_a, stage_b = a_unit is None, b_contig is None
+    a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
     if stage_b:  # staged B is [N, K] K-major
         b_form_eff, b_contig = "nk", "last"
     else:

@@ -15,12 +15,6 @@ from detgemm_cute import registry as R
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-@pytest.fixture(autouse=True)
-def _clean_user_layers(monkeypatch):
-    monkeypatch.delenv(R.ENV_VAR, raising=False)
-    R.reset_user_configs()
-    yield
-    R.reset_user_configs()
 
 
 def test_audit_prints_every_bucket(capsys):
@@ -107,7 +101,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     calls = []
     fake = types.ModuleType("detgemm_cute.aot")
 
-    def compile_buckets(arch, bucket_names, out=print):
+    def compile_buckets(arch, bucket_names, out=print, variants="core"):
         calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name))
         out("compiled")
         return 3

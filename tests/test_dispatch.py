@@ -16,12 +16,6 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BIG = 2**31 - 1
 
 
-@pytest.fixture(autouse=True)
-def _clean_user_layers(monkeypatch):
-    monkeypatch.delenv(R.ENV_VAR, raising=False)
-    R.reset_user_configs()
-    yield
-    R.reset_user_configs()
 
 
 def _write(tmp_path, name, bucket_name, m, dtypes="[bf16]", extra=""):

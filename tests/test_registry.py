@@ -15,12 +15,6 @@ from detgemm_cute.kernels import sm90_limits
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-@pytest.fixture(autouse=True)
-def _clean_user_layers(monkeypatch):
-    monkeypatch.delenv(R.ENV_VAR, raising=False)
-    R.reset_user_configs()
-    yield
-    R.reset_user_configs()
 
 
 def _write(tmp_path, text, name="cfg.yaml"):
