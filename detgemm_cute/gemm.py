@@ -84,12 +84,14 @@ def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
 
 
 class _Plan:
-    __slots__ = ("fn", "stage_a", "stage_b", "b_form", "pad_n", "out_dtype", "max_clusters")
+    """What a call with this key needs: the kernel, which operands to stage, the padded
+    output width (0 when none), whether the bias needs a unit-stride copy, the grid cap."""
 
-    def __init__(self, fn, stage_a, stage_b, b_form, pad_n, out_dtype, max_clusters):
+    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "bias_copy", "max_clusters")
+
+    def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, max_clusters):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
-        self.b_form, self.pad_n, self.out_dtype = b_form, pad_n, out_dtype
-        self.max_clusters = max_clusters
+        self.pad_cols, self.bias_copy, self.max_clusters = pad_cols, bias_copy, max_clusters
 
 
 def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
@@ -105,14 +107,15 @@ def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
         b_form_eff, b_contig = "nk", "last"
     else:
         b_form_eff = b_form
-    out_el = torch.empty((), dtype=out_dtype).element_size()
-    pad_n = (n * out_el) % _ALIGN != 0
+    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
+    pad_cols = -(-n // el) * el if n % el else 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch="sm_90a")
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
-    return _Plan(kcompile.get(key), stage_a, stage_b, b_form, pad_n, out_dtype, max_clusters)
+    bias_copy = bias is not None and bias.stride(0) != 1
+    return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, max_clusters)
 
 
 def _key(a, b, b_form, bias, out_dtype):
@@ -134,7 +137,7 @@ def _plan_for(a, b, b_form, bias, out_dtype, key, m, n, k):
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
-         out_dtype: torch.dtype | None, key=None) -> torch.Tensor:
+         out_dtype: torch.dtype | None, key=None, plan=None) -> torch.Tensor:
     """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
@@ -143,18 +146,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     if a.device.type == "cpu":
         return _on_cpu(a, b, b_form, bias, out_dtype)
-    plan = _plan_for(a, b, b_form, bias, out_dtype, key or _key(a, b, b_form, bias, out_dtype),
-                     m, n, k)
+    if plan is None:
+        plan = _plan_for(a, b, b_form, bias, out_dtype,
+                         key or _key(a, b, b_form, bias, out_dtype), m, n, k)
     if plan.stage_a:
         a = _stage_k_major(a, 1)
     if plan.stage_b:
         b = _stage_k_major(b, 1 if b_form == "nk" else 0)
-    if bias is not None and bias.stride(0) != 1:
+    if plan.bias_copy:
         bias = bias.contiguous()
-    if plan.pad_n:
-        el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
-        c_full = torch.empty((m, -(-n // el) * el), dtype=out_dtype, device=a.device)
-        c = c_full[:, :n]
+    if plan.pad_cols:
+        c = torch.empty((m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :n]
     else:
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     dev = a.device.index
@@ -163,7 +165,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
             plan.fn(a, b, c, bias, plan.max_clusters)
     else:
         plan.fn(a, b, c, bias, plan.max_clusters)
-    return c.contiguous() if plan.pad_n else c
+    return c.contiguous() if plan.pad_cols else c
 
 
 def _on_cpu(a, b, b_form, bias, out_dtype):
@@ -182,12 +184,12 @@ def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names):
     dtypes, strides, devices, alignment) already has a plan passed these checks before."""
     try:
         key = _key(a, b, b_form, bias, out_dtype)
-        hit = key in _plans
+        plan = _plans.get(key)
     except AttributeError:  # not tensors: let the checks name the argument
-        key, hit = None, False
-    if not hit:
+        key = plan = None
+    if plan is None:
         check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
-    return gemm(a, b, b_form, bias, out_dtype, key)
+    return gemm(a, b, b_form, bias, out_dtype, key, plan)
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device

@@ -113,8 +113,12 @@ class _Sm90Base:
                 cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem)], self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        self._launch(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
-                     a_smem, b_smem, epi_smem, max_clusters, stream)
+        grid, extra_args, extra_launch = self._schedule(mC, max_clusters)
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
+                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, *extra_args,
+                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
+                             cluster=(*self.cluster_shape_mn, 1), stream=stream,
+                             **extra_launch)
 
     @staticmethod
     def _tma_load(tensor, smem_layout_staged, smem_tile, mcast):
@@ -125,6 +129,16 @@ class _Sm90Base:
             num_multicast=mcast)
 
     # ------------------------------------------------------- device-side helpers
+    @cute.jit
+    def _prefetch_descriptors(self, tma_atom_a, tma_atom_b):
+        """Warp 0 prefetches the TMA descriptors; returns (uniform warp index, thread index)."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+        tidx, _, _ = cute.arch.thread_idx()
+        return warp_idx, tidx
+
     @cute.jit
     def _setup(self, storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
                epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b):
@@ -186,6 +200,34 @@ class _Sm90Base:
             coord = (None, None, kb, stage)
             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
         cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mainloop(self, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles,
+                  refill):
+        """All k tiles of one output tile, in order: k tile 0 (K >= 1, so it exists), then
+        1, 2, ... with one WGMMA batch in flight; the stage the previous batch read is
+        released once it retires. `refill` (non-persistent kernel only) is (is_producer,
+        producer state, TMA operands...): that warp then reloads the freed stage at once.
+        Returns the advanced (read, release, producer) states; all WGMMAs have retired."""
+        prod = None
+        if cutlass.const_expr(refill is not None):
+            prod = refill[1]
+        ab_pipeline.consumer_wait(read)
+        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+        read.advance()
+        for _k in cutlass.range(1, k_tiles, 1, unroll=1):
+            ab_pipeline.consumer_wait(read)
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            read.advance()
+            if cutlass.const_expr(refill is not None):
+                if refill[0] and prod.count < k_tiles:
+                    self._load_k_tile(ab_pipeline, prod, *refill[2:])
+                    prod.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        return read, release, prod
 
     @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
@@ -250,16 +292,13 @@ class Sm90Gemm(_Sm90Base):
     small M), where there is no second tile per CTA to overlap with.
     """
 
-    def _launch(self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
-                a_smem, b_smem, epi_smem, max_clusters, stream):
+    def _schedule(self, mC, max_clusters):
+        """One CTA per output tile, the grid rounded up to whole clusters."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         cluster_mnl = (*self.cluster_shape_mn, 1)
         tiles = cute.append(cute.get(gc.layout, mode=[1]).shape, 1)
         grid = tuple(x * y for x, y in zip(cute.ceil_div(tiles, cluster_mnl), cluster_mnl))
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
-                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem,
-                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
-                             cluster=(*self.cluster_shape_mn, 1), stream=stream)
+        return grid, (), {}
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
@@ -269,11 +308,7 @@ class Sm90Gemm(_Sm90Base):
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx, tidx = self._prefetch_descriptors(tma_atom_a, tma_atom_b)
 
         # Raster clusters in groups of 8 along M so neighbouring CTAs share B tiles in L2.
         # Only the order in which tiles run changes; each tile's arithmetic does not.
@@ -322,24 +357,11 @@ class Sm90Gemm(_Sm90Base):
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        # K tile 0 (K >= 1, so it always exists).
-        ab_pipeline.consumer_wait(read)
-        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
-        read.advance()
-        # K tiles 1, 2, ... in order. One WGMMA batch stays in flight; the stage the
-        # previous batch read is released once it retires, and only then refilled.
-        for _k in cutlass.range(1, k_tiles, 1, unroll=1):
-            ab_pipeline.consumer_wait(read)
-            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release)
-            release.advance()
-            read.advance()
-            if warp_idx == 0 and prod.count < k_tiles:
-                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
-                                  tma_atom_b, tBgB_k, tBsB, b_mask)
-                prod.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
+        # Warp 0 refills each freed stage with the next k tile from inside the mainloop.
+        read, release, prod = self._mainloop(
+            ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles,
+            (warp_idx == 0, prod, tma_atom_a, tAgA_k, tAsA, a_mask, tma_atom_b, tBgB_k,
+             tBsB, b_mask))
         if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast):
             # Peers multicast into our shared memory until all are done with the mainloop.
             cute.arch.cluster_arrive()
@@ -372,8 +394,8 @@ class Sm90GemmPersistent(_Sm90Base):
     load_registers = 40
     mma_registers = 232
 
-    def _launch(self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mC, mBias,
-                a_smem, b_smem, epi_smem, max_clusters, stream):
+    def _schedule(self, mC, max_clusters):
+        """At most max_clusters clusters (the GPU's SMs), each walking its tiles."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         tiles_mn = gc[(0, (None, None))].shape
         # Plain M-major tile order: the DSL's swizzled order rounds the M tiles up to a
@@ -382,11 +404,7 @@ class Sm90GemmPersistent(_Sm90Base):
         sched = utils.PersistentTileSchedulerParams(
             (*tiles_mn, 1), (*self.cluster_shape_mn, 1), self.swizzle, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
-                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, sched,
-                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
-                             cluster=(*self.cluster_shape_mn, 1), min_blocks_per_mp=1,
-                             stream=stream)
+        return grid, (sched,), {"min_blocks_per_mp": 1}
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
@@ -397,11 +415,7 @@ class Sm90GemmPersistent(_Sm90Base):
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx, tidx = self._prefetch_descriptors(tma_atom_a, tma_atom_b)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
@@ -460,17 +474,8 @@ class Sm90GemmPersistent(_Sm90Base):
                 release.reset_count()
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                ab_pipeline.consumer_wait(read)
-                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
-                read.advance()
-                for _k in cutlass.range(1, k_tiles, 1, unroll=1):
-                    ab_pipeline.consumer_wait(read)
-                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipeline.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
+                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
+                                                  tCrA, tCrB, k_tiles, None)
                 ab_pipeline.consumer_release(release)
                 release.advance()
 
