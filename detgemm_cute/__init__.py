@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import grads as _grads
 from . import ops as _ops
 from .gemm import checked_gemm as _checked_gemm
 from .gemm import force_bucket
@@ -50,4 +51,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          ("input", "weight", "bias"))
 
 
-__all__ = ["mm", "addmm", "linear", "force_bucket", "__version__"]
+def input_grad(grad_output: torch.Tensor, weight: torch.Tensor, *,
+               out_dtype: torch.dtype | None = None):
+    """dX of ``linear``: ``grad_output [..., N] @ weight [N, K]`` -> ``[..., K]``."""
+    if _compiling():
+        return torch.ops.detgemm.input_grad(grad_output, weight, out_dtype)
+    return _grads.input_grad(grad_output, weight, out_dtype)
+
+
+def weight_grad(grad_output: torch.Tensor, input: torch.Tensor, *,
+                acc: torch.Tensor | None = None):
+    """dW of ``linear``: ``grad_output^T @ input`` over all tokens, fp32 ``[N, K]``.
+
+    With ``acc`` (fp32 [N, K]) the fp32 chain continues from acc's values and the result is
+    written into ``acc`` in place: micro-batches whose token counts are multiples of 16
+    accumulate to the bits of one call on all their tokens."""
+    if _compiling():
+        if acc is None:
+            return torch.ops.detgemm.weight_grad(grad_output, input)
+        torch.ops.detgemm.weight_grad_acc_(acc, grad_output, input)
+        return acc
+    return _grads.weight_grad(grad_output, input, acc)
+
+
+def bias_grad(grad_output: torch.Tensor, *, acc: torch.Tensor | None = None):
+    """Bias gradient: the sum over tokens of ``grad_output [..., N]``, fp32 ``[N]``, with
+    dW's contract (it is the dW GEMM against ones); ``acc`` continues a buffer in place."""
+    if _compiling():
+        if acc is None:
+            return torch.ops.detgemm.bias_grad(grad_output)
+        torch.ops.detgemm.bias_grad_acc_(acc, grad_output)
+        return acc
+    return _grads.bias_grad(grad_output, acc)
+
+
+from . import nn  # noqa: E402  (nn builds on linear above)
+
+__all__ = ["mm", "addmm", "linear", "input_grad", "weight_grad", "bias_grad", "nn",
+           "force_bucket", "__version__"]

@@ -30,10 +30,21 @@ def audit_ptx(ptx: str) -> list[str]:
 
 
 def _variants(bucket, which: str):
+    """The kernel keys to build for one bucket: per op, the layouts its calls use."""
+    if bucket.op == "dw":  # fp32 out, no bias; from +0.0 or continuing a buffer
+        layouts = _LAYOUTS if which == "all" else (("m", "kn", "last"), ("m", "nk", "last"))
+        for dtype in bucket.dtypes:
+            for a_major, b_form, b_contig in layouts:
+                for acc in (False, True):
+                    yield dict(dtype=dtype, out_dtype="fp32", a_major=a_major, b_form=b_form,
+                               b_contig=b_contig, has_bias=False, accumulate=acc)
+        return
+    core = ("k", "nk", "last", True) if bucket.op == "fwd" else ("k", "kn", "last", False)
     for dtype in bucket.dtypes:
         if which == "core":
-            yield dict(dtype=dtype, out_dtype=dtype, a_major="k", b_form="nk", b_contig="last",
-                       has_bias=True)
+            a_major, b_form, b_contig, bias = core
+            yield dict(dtype=dtype, out_dtype=dtype, a_major=a_major, b_form=b_form,
+                       b_contig=b_contig, has_bias=bias)
             continue
         for out in (dtype, "fp32"):
             for a_major, b_form, b_contig in _LAYOUTS:
@@ -47,16 +58,17 @@ def _variants(bucket, which: str):
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
-    """Compile (and audit) the fwd buckets of `arch` ('sm_90a'); 0 when all pass.
+    """Compile (and audit) every bucket of `arch` ('sm_90a'); 0 when all pass.
 
-    `variants`: "core" (one key per bucket and dtype, plus bf16 [K, N] weight -> fp32) or
-    "all" (dtype x output dtype x layout x bias). A key shared by several buckets (same tile,
+    `variants`: "core" (per bucket and dtype the layout its op uses: fwd with bias, dx with
+    a [K, N] weight, dw to fp32 from zero and continuing a buffer; plus bf16 -> fp32 for
+    fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key shared by several buckets (same tile,
     cluster, stages, persistence) is compiled once; its later buckets reuse the result."""
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
     reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
-    buckets = [b for b in reg.buckets if b.op == "fwd"]
+    buckets = list(reg.buckets)
     if bucket_names:
         known = {b.name for b in buckets}
         unknown = [n for n in bucket_names if n not in known]
@@ -72,7 +84,8 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
             for call in _variants(b, variants):
                 key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
                 label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
-                         f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}")
+                         f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
+                         + (" acc" if call.get("accumulate") else ""))
                 t0 = time.time()
                 total += 1
                 if key in done:

@@ -38,6 +38,7 @@ class KernelKey:
     b_contig: str  # which dim of B (as given) has stride 1: "last" | "first"
     has_bias: bool
     arch: str = "sm_90a"
+    accumulate: bool = False  # start from the fp32 values in C (dW +=) instead of +0.0
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -89,7 +90,8 @@ def build(key: KernelKey, extra_options: str = ""):
     from .kernels.sm90 import kernel_class
 
     gemm = kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
-                                        b_is_kn=key.b_form == "kn", has_bias=key.has_bias)
+                                        b_is_kn=key.b_form == "kn", has_bias=key.has_bias,
+                                        accumulate=key.accumulate)
     a, b, c, bias, stream = _make_fakes(key)
     # max_clusters is a run-time argument: the persistent grid is sized to the GPU it runs on.
     return cute.compile(gemm, a, b, c, bias, cutlass.Int32(1), stream,

@@ -85,21 +85,24 @@ def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
 
 class _Plan:
     """What a call with this key needs: the kernel, which operands to stage, the padded
-    output width (0 when none), whether the bias needs a unit-stride copy, the grid cap."""
+    output width (0 when none), whether the bias needs a unit-stride copy, whether an
+    accumulator must go through a TMA-aligned copy, the grid cap."""
 
-    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "bias_copy", "max_clusters")
+    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "bias_copy", "acc_copy",
+                 "max_clusters")
 
-    def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, max_clusters):
+    def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, acc_copy, max_clusters):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.pad_cols, self.bias_copy, self.max_clusters = pad_cols, bias_copy, max_clusters
+        self.acc_copy = acc_copy
 
 
-def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
+def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k):
     arch = arch_of(a.device)
     dtype = _NAMES[a.dtype]
     forced = getattr(_forced, "name", None)
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
-              else dispatch.lookup("fwd", dtype, arch, m, n, k))
+              else dispatch.lookup(op, dtype, arch, m, n, k))
     a_unit, b_contig = _unit_dim(a), _unit_dim(b)
     stage_a, stage_b = a_unit is None, b_contig is None
     a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
@@ -111,25 +114,30 @@ def _make_plan(a, b, b_form, bias, out_dtype, m, n, k):
     pad_cols = -(-n // el) * el if n % el else 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
-        b_contig=b_contig, has_bias=bias is not None, arch="sm_90a")
+        b_contig=b_contig, has_bias=bias is not None, arch="sm_90a",
+        accumulate=acc is not None)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
     bias_copy = bias is not None and bias.stride(0) != 1
-    return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, max_clusters)
+    acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
+    return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
+                 max_clusters)
 
 
-def _key(a, b, b_form, bias, out_dtype):
+def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None):
     """Everything the plan and the input checks depend on, so a hit needs neither again."""
-    return (a.shape, b.shape, a.dtype, b.dtype, out_dtype, b_form, a.stride(), b.stride(),
+    return (op, a.shape, b.shape, a.dtype, b.dtype, out_dtype, b_form, a.stride(), b.stride(),
             a.data_ptr() % _ALIGN == 0, b.data_ptr() % _ALIGN == 0, a.device, b.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()),
+            None if acc is None else (acc.shape, acc.dtype, acc.device, acc.stride(),
+                                      acc.data_ptr() % _ALIGN == 0),
             getattr(_forced, "name", None))
 
 
-def _plan_for(a, b, b_form, bias, out_dtype, key, m, n, k):
+def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k):
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(a, b, b_form, bias, out_dtype or a.dtype, m, n, k)
+        plan = _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k)
         if len(_plans) > 8192:
             _plans.clear()
         _plans[key] = plan
@@ -137,41 +145,59 @@ def _plan_for(a, b, b_form, bias, out_dtype, key, m, n, k):
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
-         out_dtype: torch.dtype | None, key=None, plan=None) -> torch.Tensor:
-    """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs."""
+         out_dtype: torch.dtype | None, key=None, plan=None, op: str = "fwd",
+         acc: torch.Tensor | None = None) -> torch.Tensor:
+    """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs.
+
+    `op` picks the dispatch table (fwd | dx | dw). With `acc` (fp32 [M, N], dW +=) the
+    chain continues from acc's values and the result is written back into acc, which is
+    returned; out_dtype must then be fp32 and bias None."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
     out_dtype = out_dtype or a.dtype
     if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+        return acc if acc is not None else torch.empty((0, n), dtype=out_dtype, device=a.device)
     if a.device.type == "cpu":
-        return _on_cpu(a, b, b_form, bias, out_dtype)
+        return _on_cpu(a, b, b_form, bias, out_dtype, acc)
     if plan is None:
-        plan = _plan_for(a, b, b_form, bias, out_dtype,
-                         key or _key(a, b, b_form, bias, out_dtype), m, n, k)
+        plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
+                         key or _key(a, b, b_form, bias, out_dtype, op, acc), m, n, k)
     if plan.stage_a:
         a = _stage_k_major(a, 1)
     if plan.stage_b:
         b = _stage_k_major(b, 1 if b_form == "nk" else 0)
     if plan.bias_copy:
         bias = bias.contiguous()
-    if plan.pad_cols:
-        c = torch.empty((m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :n]
+    if acc is not None and not plan.acc_copy:
+        c = acc
     else:
-        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        if plan.pad_cols:
+            c = torch.empty((m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :n]
+        else:
+            c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        if acc is not None:
+            c.copy_(acc)
     dev = a.device.index
     if dev is not None and dev != _current_device():
         with torch.cuda.device(dev):
             plan.fn(a, b, c, bias, plan.max_clusters)
     else:
         plan.fn(a, b, c, bias, plan.max_clusters)
+    if acc is not None:
+        if plan.acc_copy:
+            acc.copy_(c)
+        return acc
     return c.contiguous() if plan.pad_cols else c
 
 
-def _on_cpu(a, b, b_form, bias, out_dtype):
+def _on_cpu(a, b, b_form, bias, out_dtype, acc=None):
     """CPU tensors: the bit-exact reference of the SM90 chain (same bits, much slower)."""
     from . import reference
 
+    if acc is not None:
+        b_kn = b.t() if b_form == "nk" else b
+        acc.copy_(reference.chain(a, b_kn, acc))
+        return acc
     if b_form == "nk":
         return reference.linear(a, b, bias, out_dtype=out_dtype)
     if bias is None:
@@ -179,17 +205,17 @@ def _on_cpu(a, b, b_form, bias, out_dtype):
     return reference.addmm(bias, a, b, out_dtype=out_dtype)
 
 
-def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names):
+def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names, op="fwd"):
     """Validate (clear Python errors before any launch), then run. A call whose key (shapes,
     dtypes, strides, devices, alignment) already has a plan passed these checks before."""
     try:
-        key = _key(a, b, b_form, bias, out_dtype)
+        key = _key(a, b, b_form, bias, out_dtype, op)
         plan = _plans.get(key)
     except AttributeError:  # not tensors: let the checks name the argument
         key = plan = None
     if plan is None:
         check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
-    return gemm(a, b, b_form, bias, out_dtype, key, plan)
+    return gemm(a, b, b_form, bias, out_dtype, key, plan, op)
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device

@@ -1,9 +1,15 @@
-"""`torch.library` custom ops: detgemm::mm, detgemm::addmm, detgemm::linear.
+"""`torch.library` custom ops and their autograd formulas.
+
+Forward: detgemm::mm, detgemm::addmm, detgemm::linear. Backward: detgemm::input_grad
+(dX = dY W), detgemm::weight_grad (dW = dY^T X, fp32), detgemm::bias_grad (fp32 column sum),
+and in-place accumulating forms detgemm::weight_grad_acc_ / bias_grad_acc_ that continue
+the fp32 chain in a persistent buffer (see `grads`).
 
 The ops make the GEMMs visible to `torch.compile` (fake implementations give shapes and
 dtypes, and raise the same input errors as eager calls) and to the dispatcher. The public
 functions in `detgemm_cute` call the same implementation directly in eager mode, which
-keeps per-call overhead low; under tracing they go through these ops.
+keeps per-call overhead low; under tracing, or when an input needs grad, they go through
+these ops, whose backward runs only the GEMMs whose inputs need a gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import grads
 from .errors import check_gemm_args
 from .gemm import gemm
 
@@ -70,3 +77,134 @@ def _linear_fake(x, weight, bias=None, out_dtype=None):
     check_gemm_args(x2, weight, "nk", bias, out_dtype, "detgemm::linear", _LINEAR_NAMES,
                     check_device=False)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype or x.dtype)
+
+
+# ------------------------------------------------------------------------------ backward
+@torch.library.custom_op("detgemm::input_grad", mutates_args=())
+def input_grad(dy: Tensor, weight: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """dX = dY [..., N] @ weight [N, K] -> [..., K] (the `dx` dispatch table)."""
+    return grads.input_grad(dy, weight, out_dtype, "detgemm::input_grad")
+
+
+@input_grad.register_fake
+def _input_grad_fake(dy, weight, out_dtype=None):
+    check_gemm_args(dy.reshape(-1, dy.shape[-1]), weight, "kn", None, out_dtype,
+                    "detgemm::input_grad", ("grad_output", "weight", "bias"), check_device=False)
+    return dy.new_empty((*dy.shape[:-1], weight.shape[1]), dtype=out_dtype or dy.dtype)
+
+
+@torch.library.custom_op("detgemm::weight_grad", mutates_args=())
+def weight_grad(dy: Tensor, x: Tensor) -> Tensor:
+    """dW = dY^T X over all tokens -> fp32 [N, K], the chain started at +0.0."""
+    return grads.weight_grad(dy, x, None, "detgemm::weight_grad")
+
+
+@weight_grad.register_fake
+def _weight_grad_fake(dy, x):
+    grads._check_token_pair(dy, x, "grad_output", "input", "detgemm::weight_grad")
+    return dy.new_empty((dy.shape[-1], x.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("detgemm::weight_grad_acc_", mutates_args=("acc",))
+def weight_grad_acc_(acc: Tensor, dy: Tensor, x: Tensor) -> None:
+    """acc (fp32 [N, K]) += dY^T X as one continued chain, in place."""
+    grads.weight_grad(dy, x, acc, "detgemm::weight_grad_acc_")
+
+
+@weight_grad_acc_.register_fake
+def _weight_grad_acc_fake(acc, dy, x):
+    grads._check_token_pair(dy, x, "grad_output", "input", "detgemm::weight_grad_acc_")
+
+
+@torch.library.custom_op("detgemm::bias_grad", mutates_args=())
+def bias_grad(dy: Tensor) -> Tensor:
+    """db = sum over tokens of dY [..., N] -> fp32 [N] (dW's chain against ones)."""
+    return grads.bias_grad(dy, None, "detgemm::bias_grad")
+
+
+@bias_grad.register_fake
+def _bias_grad_fake(dy):
+    return dy.new_empty((dy.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.custom_op("detgemm::bias_grad_acc_", mutates_args=("acc",))
+def bias_grad_acc_(acc: Tensor, dy: Tensor) -> None:
+    """acc (fp32 [N]) += sum over tokens of dY, continuing the chain, in place."""
+    grads.bias_grad(dy, acc, "detgemm::bias_grad_acc_")
+
+
+@bias_grad_acc_.register_fake
+def _bias_grad_acc_fake(acc, dy):
+    return None
+
+
+def _grad_in(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """The kernels take 16-bit operands: an fp32 upstream gradient (out_dtype=fp32) is
+    rounded once to the input dtype before the backward GEMMs."""
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _needs(ctx, i: int) -> bool:
+    return ctx.needs_input_grad[i]
+
+
+def _save_pair(ctx, first, second, i_first: int):
+    """Save each GEMM operand only if the other one's gradient is needed: dX needs only
+    the weight, dW only the input."""
+    ctx.in_dtype, ctx.second_dtype = first.dtype, second.dtype
+    ctx.save_for_backward(first if _needs(ctx, i_first + 1) else None,
+                          second if _needs(ctx, i_first) else None)
+
+
+def _setup_linear(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    _save_pair(ctx, x, weight, 0)
+
+
+def _backward_linear(ctx, grad):
+    x, weight = ctx.saved_tensors
+    g = _grad_in(grad, ctx.in_dtype)
+    gx = torch.ops.detgemm.input_grad(g, weight, ctx.in_dtype) if _needs(ctx, 0) else None
+    gw = torch.ops.detgemm.weight_grad(g, x).to(ctx.second_dtype) if _needs(ctx, 1) else None
+    gb = None
+    if ctx.has_bias and _needs(ctx, 2):
+        gb = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype)
+    return gx, gw, gb, None
+
+
+def _setup_mm(ctx, inputs, output):
+    _save_pair(ctx, inputs[-3], inputs[-2], len(inputs) - 3)
+
+
+def _mm_grads(ctx, grad, first):
+    """Gradients of a [M, K] @ b [K, N]: da = g b^T (a dx GEMM), db = a^T g (a dW GEMM)."""
+    a, b = ctx.saved_tensors
+    g = _grad_in(grad, ctx.in_dtype)
+    ga = (torch.ops.detgemm.input_grad(g, b.t(), ctx.in_dtype) if _needs(ctx, first)
+          else None)
+    gb = (torch.ops.detgemm.weight_grad(a, g).to(ctx.second_dtype) if _needs(ctx, first + 1)
+          else None)
+    return g, ga, gb
+
+
+def _backward_mm(ctx, grad):
+    _, ga, gb = _mm_grads(ctx, grad, 0)
+    return ga, gb, None
+
+
+def _setup_addmm(ctx, inputs, output):
+    _setup_mm(ctx, inputs, output)
+    ctx.bias_dtype = inputs[0].dtype
+
+
+def _backward_addmm(ctx, grad):
+    g, ga, gb = _mm_grads(ctx, grad, 1)
+    gbias = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype) if _needs(ctx, 0) else None
+    return gbias, ga, gb, None
+
+
+linear.register_autograd(_backward_linear, setup_context=_setup_linear)
+mm.register_autograd(_backward_mm, setup_context=_setup_mm)
+addmm.register_autograd(_backward_addmm, setup_context=_setup_addmm)

@@ -82,13 +82,22 @@ def test_explain_with_config_shows_shadowed(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["explain", "--arch", "sm80", "1", "2", "3"], "SM80 (cp.async + mma.sync) kernel family"),
     (["explain", "--arch", "sm75", "1", "2", "3"], "unknown arch 'sm75'"),
-    (["explain", "--op", "dx", "1", "2", "3"], "no sm90 bucket serves op dx"),
     (["explain", "0", "2", "3"], "M must be an integer >= 1"),
 ])
 def test_explain_errors_are_one_line_messages(capsys, argv, words):
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("op, dims, bucket", [
+    ("dx", ["8192", "4096", "1024"], "dx_large"),
+    ("dw", ["4096", "8", "16384"], "dw_bias"),
+    ("dw", ["4096", "4096", "16384"], "dw_large"),
+])
+def test_explain_backward_ops(capsys, op, dims, bucket):
+    assert cli.main(["explain", "--op", op, *dims]) == 0
+    assert f"bucket:  {bucket} " in capsys.readouterr().out
 
 
 def test_usage_errors_return_2(capsys):

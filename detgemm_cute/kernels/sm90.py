@@ -48,8 +48,10 @@ class _Sm90Base:
 
     producer_warpgroups = 0
 
-    def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool):
+    def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
+                 accumulate: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        self.accumulate = accumulate
         self.cluster_shape_mn = tuple(cluster)
         self.ab_stage = stages
         self.b_is_kn = b_is_kn
@@ -114,7 +116,8 @@ class _Sm90Base:
 
         self.shared_storage = SharedStorage
         grid, extra_args, extra_launch = self._schedule(mC, max_clusters)
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias,
+        mC_in = mC if cutlass.const_expr(self.accumulate) else None
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias, mC_in,
                     self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, *extra_args,
                     ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
                              cluster=(*self.cluster_shape_mn, 1), stream=stream,
@@ -230,6 +233,23 @@ class _Sm90Base:
         return read, release, prod
 
     @cute.jit
+    def _init_acc(self, acc, thr_mma_thread, mC_in, tile_m, tile_n):
+        """Start the chain: +0.0, or (dW +=) the fp32 values already in C, so this call
+        continues exactly where the previous one stopped. Elements past M or N stay 0;
+        the TMA store clips them."""
+        acc.fill(0.0)
+        if cutlass.const_expr(self.accumulate):
+            bm, bn, _ = self.tile_shape_mnk
+            gC = cute.local_tile(mC_in, (bm, bn), (tile_m, tile_n))
+            cC = cute.local_tile(cute.make_identity_tensor(mC_in.shape), (bm, bn),
+                                 (tile_m, tile_n))
+            tCgC = thr_mma_thread.partition_C(gC)
+            tCcC = thr_mma_thread.partition_C(cC)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(tCcC[i], mC_in.shape):
+                    acc[i] = tCgC[i]
+
+    @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
         """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
         n_total = cute.size(mC_mn, mode=[1])
@@ -304,6 +324,7 @@ class Sm90Gemm(_Sm90Base):
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
+               mC_in: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
@@ -344,7 +365,7 @@ class Sm90Gemm(_Sm90Base):
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
-        acc.fill(0.0)
+        self._init_acc(acc, tiled_mma.get_slice(tidx), mC_in, tile_m, tile_n)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
@@ -410,6 +431,7 @@ class Sm90GemmPersistent(_Sm90Base):
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
+               mC_in: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
@@ -472,7 +494,7 @@ class Sm90GemmPersistent(_Sm90Base):
                 tile = work.tile_idx
                 read.reset_count()
                 release.reset_count()
-                acc.fill(0.0)
+                self._init_acc(acc, tiled_mma.get_slice(mma_tidx), mC_in, tile[0], tile[1])
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
                                                   tCrA, tCrB, k_tiles, None)

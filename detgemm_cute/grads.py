@@ -1,0 +1,150 @@
+"""Backward GEMMs of ``Y = X W^T + b``: dX = dY W, dW (+)= dY^T X, db (+)= sum_tokens dY.
+
+- dX runs the same kernels as the forward through the ``dx`` dispatch table (W is read as a
+  [K, N] operand in place). Row i of dX depends only on row i of dY: batch-invariant.
+- dW is a GEMM whose reduction runs over tokens, through the ``dw`` table, with dY^T read
+  as a transposed view (no copy). Its fp32 accumulators start from the fp32 values already
+  in the accumulation buffer (or +0.0) and continue the same ascending chain of 16-token
+  blocks, then are stored as fp32. So micro-batches whose token counts are multiples of 16
+  give the same bits as one call on the concatenated tokens; zero-padded tokens add exact
+  zero products and change nothing. A micro-batch of T tokens that is not a multiple of 16
+  ends with a block padded by zeros, so the next micro-batch's blocks start at a different
+  offset: the result is still deterministic (same split, same bits), but not the bits of
+  the unsplit batch.
+- db is the same dW GEMM against a column of ones, so it carries exactly dW's contract
+  (fixed ascending 16-token blocks, fp32, continuing from the buffer).
+
+Casting to the parameter dtype (if wanted) is the caller's one rounding, done once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .errors import IN_DTYPES, check_devices, check_gemm_args
+from .gemm import gemm
+
+_FP32 = torch.float32
+_ONES_COLS = 8  # an [8, T] ones operand: the narrowest B whose row stride TMA can take
+_ones: dict = {}
+_ones_lock = threading.Lock()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype=None,
+               op: str = "detgemm_cute.input_grad") -> torch.Tensor:
+    """dX = dY [..., N] @ weight [N, K] -> [..., K] in out_dtype (default dY's dtype)."""
+    _check_tensor_rank(dy, "grad_output", op)
+    dy2 = _flat(dy)
+    check_gemm_args(dy2, weight, "kn", None, out_dtype, op, ("grad_output", "weight", "bias"))
+    dx = gemm(dy2, weight, "kn", None, out_dtype, op="dx")
+    return dx.reshape(*dy.shape[:-1], weight.shape[1])
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None,
+                op: str = "detgemm_cute.weight_grad") -> torch.Tensor:
+    """dW = dY^T X over all tokens: dY [..., N], X [..., K] -> fp32 [N, K].
+
+    With `acc` (fp32 [N, K]) the chain continues from acc's values and the result is written
+    into acc in place (``acc += dY^T X`` as one chain), which is returned."""
+    dy2, x2 = _check_token_pair(dy, x, "grad_output", "input", op)
+    n, k = dy2.shape[1], x2.shape[1]
+    _check_acc(acc, (n, k), dy2, op)
+    if dy2.shape[0] == 0:
+        return acc if acc is not None else torch.zeros((n, k), dtype=_FP32, device=dy.device)
+    return gemm(dy2.t(), x2, "kn", None, _FP32, op="dw", acc=acc)
+
+
+def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,
+              op: str = "detgemm_cute.bias_grad") -> torch.Tensor:
+    """db = sum over tokens of dY [..., N] -> fp32 [N], as the dW GEMM against ones.
+
+    With `acc` (fp32 [N]) the sum continues from acc's values, written into acc in place."""
+    _check_tensor_rank(dy, "grad_output", op)
+    if dy.dtype not in IN_DTYPES:
+        raise TypeError(f"{op}: grad_output must be torch.bfloat16 or torch.float16, got "
+                        f"{dy.dtype}")
+    check_devices(dy, dy, None, op, ("grad_output", "grad_output", "bias"))
+    dy2 = _flat(dy)
+    n, t = dy2.shape[1], dy2.shape[0]
+    if n < 1:
+        raise ValueError(f"{op}: grad_output must have a last dim >= 1, got {tuple(dy.shape)}")
+    _check_acc(acc, (n,), dy2, op)
+    if t == 0:
+        return acc if acc is not None else torch.zeros((n,), dtype=_FP32, device=dy.device)
+    ones = _ones_operand(dy2.device, dy2.dtype, t)
+    cols = None
+    if acc is not None:
+        cols = acc.unsqueeze(1).expand(n, _ONES_COLS).contiguous()
+    cols = gemm(dy2.t(), ones, "nk", None, _FP32, op="dw", acc=cols)
+    if acc is not None:
+        acc.copy_(cols[:, 0])
+        return acc
+    return cols[:, 0].contiguous()
+
+
+def _ones_operand(device, dtype, tokens: int) -> torch.Tensor:
+    """An [8, tokens] view of ones whose row stride is a multiple of 16 bytes, kept per
+    (device, dtype) and grown by doubling, so warm calls allocate nothing."""
+    key = (device, dtype)
+    buf = _ones.get(key)
+    if buf is None or buf.shape[1] < tokens:
+        with _ones_lock:
+            buf = _ones.get(key)
+            if buf is None or buf.shape[1] < tokens:
+                cap = max(1024, 1 << (tokens - 1).bit_length())
+                buf = torch.ones((_ONES_COLS, cap), dtype=dtype, device=device)
+                _ones[key] = buf
+    return buf[:, :tokens]
+
+
+def _check_tensor_rank(t, name, op):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() < 1:
+        raise ValueError(f"{op}: {name} must have shape [..., features], got a 0-d tensor")
+
+
+def _check_token_pair(dy, x, dy_name, x_name, op):
+    """dY [..., N] and X [..., K] with the same leading (token) shape -> 2-D views."""
+    _check_tensor_rank(dy, dy_name, op)
+    _check_tensor_rank(x, x_name, op)
+    if dy.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"{op}: {dy_name} {tuple(dy.shape)} and {x_name} {tuple(x.shape)} "
+                         f"must have the same leading (token) dims")
+    for t, name in ((dy, dy_name), (x, x_name)):
+        if t.dtype not in IN_DTYPES:
+            raise TypeError(f"{op}: {name} must be torch.bfloat16 or torch.float16, got "
+                            f"{t.dtype}")
+    if x.dtype != dy.dtype:
+        raise TypeError(f"{op}: {x_name} must have the same dtype as {dy_name} ({dy.dtype}), "
+                        f"got {x.dtype}")
+    check_devices(dy, x, None, op, (dy_name, x_name, "acc"))
+    if dy.shape[-1] < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: feature dims must be >= 1, got {dy_name} {tuple(dy.shape)}, "
+                         f"{x_name} {tuple(x.shape)}")
+    return _flat(dy), _flat(x)
+
+
+def _check_acc(acc, shape, like, op):
+    if acc is None:
+        return
+    if not isinstance(acc, torch.Tensor):
+        raise TypeError(f"{op}: acc must be a torch.Tensor or None, got {type(acc).__name__}")
+    if acc.dtype != _FP32:
+        raise TypeError(f"{op}: acc must be torch.float32 (the fp32 accumulation buffer), got "
+                        f"{acc.dtype}")
+    if tuple(acc.shape) != tuple(shape):
+        raise ValueError(f"{op}: acc must have shape {list(shape)}, got {tuple(acc.shape)}")
+    if acc.device != like.device:
+        raise ValueError(f"{op}: acc is on {acc.device} but the gradients are on {like.device}")
+    if acc.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: acc requires grad; pass a plain buffer (e.g. .detach())")
+
+
+__all__ = ["input_grad", "weight_grad", "bias_grad"]

@@ -1,0 +1,153 @@
+"""Drop-in modules: `Linear` (a `torch.nn.Linear` whose forward and backward GEMMs are
+detgemm's), `convert(model)` to swap them in, and an fp32 gradient accumulation buffer.
+
+Default mode: the forward is `detgemm_cute.linear`, whose autograd formula runs the dX, dW
+and bias-gradient kernels; dW is computed in fp32 and rounded once to the parameter dtype,
+and `.grad` accumulates across backward calls as PyTorch does (in the parameter dtype).
+
+``fp32_grad_accum=True`` (as large-scale trainers keep a "main grad"): each parameter gets
+an fp32 buffer ``param.main_grad`` and backward continues the dW chain *inside* it, so
+gradient accumulation over micro-batches whose token counts are multiples of 16 gives the
+bits of one big batch. ``.grad`` is left alone until `finalize_grads` writes
+``main_grad.to(param.dtype)`` (the single rounding); `zero_main_grads` clears the buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from . import linear as _linear
+
+_FP32 = torch.float32
+
+
+class Linear(torch.nn.Linear):
+    """`torch.nn.Linear` with deterministic, batch-invariant GEMMs (same parameters, same
+    `state_dict`). Inputs and parameters must be bf16 or fp16 (the same dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, fp32_grad_accum: bool = False):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.fp32_grad_accum = fp32_grad_accum
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, *, fp32_grad_accum: bool = False) -> "Linear":
+        """A detgemm Linear that shares `linear`'s Parameter objects (no copy), so optimizers
+        and references to the old parameters stay valid."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"from_linear: expected a torch.nn.Linear, got "
+                            f"{type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", dtype=linear.weight.dtype, fp32_grad_accum=fp32_grad_accum)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_grad_accum and torch.is_grad_enabled() and _any_grad(self):
+            for p in self._grad_params():
+                _main_grad(p)
+            return _LinearMainGrad.apply(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
+
+    def _grad_params(self) -> Iterator[torch.nn.Parameter]:
+        for p in (self.weight, self.bias):
+            if p is not None and p.requires_grad:
+                yield p
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fp32_grad_accum=True" if self.fp32_grad_accum else "")
+
+
+def _any_grad(m: Linear) -> bool:
+    return m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
+
+
+def _main_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 accumulation buffer of `p`, created (zeroed) on first use."""
+    buf = getattr(p, "main_grad", None)
+    if buf is None or buf.shape != p.shape or buf.device != p.device:
+        buf = torch.zeros(p.shape, dtype=_FP32, device=p.device)
+        p.main_grad = buf
+    return buf
+
+
+class _LinearMainGrad(torch.autograd.Function):
+    """Linear whose backward accumulates dW and db into ``param.main_grad`` (fp32, one
+    continued chain per micro-batch) and returns no gradient for the parameters."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.params = (weight, bias)
+        ctx.save_for_backward(x if weight.requires_grad else None,
+                              weight if ctx.needs_input_grad[0] else None)
+        return torch.ops.detgemm.linear(x, weight, bias, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight_saved = ctx.saved_tensors
+        weight, bias = ctx.params
+        g = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
+        if weight.requires_grad:
+            torch.ops.detgemm.weight_grad_acc_(weight.main_grad, g, x)
+        if bias is not None and bias.requires_grad:
+            torch.ops.detgemm.bias_grad_acc_(bias.main_grad, g)
+        return gx, None, None
+
+
+def _default_filter(name: str, module: torch.nn.Module) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
+            filter: Callable[[str, torch.nn.Module], bool] | None = None) -> torch.nn.Module:
+    """Replace every plain `torch.nn.Linear` in `model` (or those `filter(name, module)`
+    accepts) by a detgemm `Linear` sharing its parameters; returns `model` (changed in
+    place). A model that is itself a Linear is returned converted. Subclasses of
+    nn.Linear are left alone by default: modules such as MultiheadAttention read their
+    weights directly and would bypass the swap."""
+    keep = filter or _default_filter
+    if isinstance(model, torch.nn.Linear) and not isinstance(model, Linear) and keep("", model):
+        return Linear.from_linear(model, fp32_grad_accum=fp32_grad_accum)
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if (isinstance(child, torch.nn.Linear) and not isinstance(child, Linear)
+                    and keep(full, child)):
+                setattr(parent, child_name,
+                        Linear.from_linear(child, fp32_grad_accum=fp32_grad_accum))
+            elif isinstance(child, Linear):
+                child.fp32_grad_accum = fp32_grad_accum
+    return model
+
+
+def _accum_params(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    for m in model.modules():
+        if isinstance(m, Linear) and m.fp32_grad_accum:
+            yield from m._grad_params()
+
+
+def finalize_grads(model: torch.nn.Module) -> None:
+    """Set ``p.grad = p.main_grad.to(p.dtype)`` (the one rounding) for every parameter that
+    accumulates in fp32; parameters whose buffer was never written are left unchanged."""
+    for p in _accum_params(model):
+        buf = getattr(p, "main_grad", None)
+        if buf is not None:
+            p.grad = buf.to(p.dtype)
+
+
+def zero_main_grads(model: torch.nn.Module) -> None:
+    """Zero every fp32 accumulation buffer (call it with ``optimizer.zero_grad()``)."""
+    for p in _accum_params(model):
+        buf = getattr(p, "main_grad", None)
+        if buf is not None:
+            buf.zero_()
+
+
+__all__ = ["Linear", "convert", "finalize_grads", "zero_main_grads"]
