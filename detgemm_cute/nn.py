@@ -101,10 +101,6 @@ class _LinearMainGrad(torch.autograd.Function):
         return gx, None, None
 
 
-def _default_filter(name: str, module: torch.nn.Module) -> bool:
-    return type(module) is torch.nn.Linear
-
-
 def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
             filter: Callable[[str, torch.nn.Module], bool] | None = None) -> torch.nn.Module:
     """Replace every plain `torch.nn.Linear` in `model` (or those `filter(name, module)`
@@ -112,14 +108,15 @@ def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
     place). A model that is itself a Linear is returned converted. Subclasses of
     nn.Linear are left alone by default: modules such as MultiheadAttention read their
     weights directly and would bypass the swap."""
-    keep = filter or _default_filter
-    if isinstance(model, torch.nn.Linear) and not isinstance(model, Linear) and keep("", model):
+    def swap(name, module):
+        return type(module) is torch.nn.Linear and (filter is None or filter(name, module))
+
+    if swap("", model):
         return Linear.from_linear(model, fp32_grad_accum=fp32_grad_accum)
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if (isinstance(child, torch.nn.Linear) and not isinstance(child, Linear)
-                    and keep(full, child)):
+            if swap(full, child):
                 setattr(parent, child_name,
                         Linear.from_linear(child, fp32_grad_accum=fp32_grad_accum))
             elif isinstance(child, Linear):
