@@ -60,18 +60,19 @@ def input_grad(grad_output: torch.Tensor, weight: torch.Tensor, *,
 
 
 def weight_grad(grad_output: torch.Tensor, input: torch.Tensor, *,
-                acc: torch.Tensor | None = None):
-    """dW of ``linear``: ``grad_output^T @ input`` over all tokens, fp32 ``[N, K]``.
+                acc: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """dW of ``linear``: ``grad_output^T @ input`` over all tokens, ``[N, K]`` in fp32 (or
+    ``out_dtype``, rounded once from the fp32 chain).
 
     With ``acc`` (fp32 [N, K]) the fp32 chain continues from acc's values and the result is
     written into ``acc`` in place: micro-batches whose token counts are multiples of 16
     accumulate to the bits of one call on all their tokens."""
     if _compiling():
         if acc is None:
-            return torch.ops.detgemm.weight_grad(grad_output, input)
+            return torch.ops.detgemm.weight_grad(grad_output, input, out_dtype)
         torch.ops.detgemm.weight_grad_acc_(acc, grad_output, input)
         return acc
-    return _grads.weight_grad(grad_output, input, acc)
+    return _grads.weight_grad(grad_output, input, acc, out_dtype=out_dtype)
 
 
 def bias_grad(grad_output: torch.Tensor, *, acc: torch.Tensor | None = None):

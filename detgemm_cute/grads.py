@@ -47,17 +47,26 @@ def input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype=None,
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None,
-                op: str = "detgemm_cute.weight_grad") -> torch.Tensor:
-    """dW = dY^T X over all tokens: dY [..., N], X [..., K] -> fp32 [N, K].
+                op: str = "detgemm_cute.weight_grad", out_dtype=None) -> torch.Tensor:
+    """dW = dY^T X over all tokens: dY [..., N], X [..., K] -> [N, K], fp32 by default.
 
+    `out_dtype` (bf16/fp16) rounds the fp32 chain once in the kernel's epilogue: the same
+    bits as ``weight_grad(...).to(out_dtype)`` without the fp32 round trip through memory.
     With `acc` (fp32 [N, K]) the chain continues from acc's values and the result is written
     into acc in place (``acc += dY^T X`` as one chain), which is returned."""
     dy2, x2 = _check_token_pair(dy, x, "grad_output", "input", op)
     n, k = dy2.shape[1], x2.shape[1]
     _check_acc(acc, (n, k), dy2, op)
+    if out_dtype not in (None, _FP32) and acc is not None:
+        raise ValueError(f"{op}: an fp32 accumulation buffer takes fp32 results; got "
+                         f"out_dtype={out_dtype}")
+    out_dtype = out_dtype or _FP32
+    if out_dtype not in (_FP32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or "
+                        f"torch.float16, got {out_dtype}")
     if dy2.shape[0] == 0:
-        return acc if acc is not None else torch.zeros((n, k), dtype=_FP32, device=dy.device)
-    return gemm(dy2.t(), x2, "kn", None, _FP32, op="dw", acc=acc)
+        return acc if acc is not None else torch.zeros((n, k), dtype=out_dtype, device=dy.device)
+    return gemm(dy2.t(), x2, "kn", None, out_dtype, op="dw", acc=acc)
 
 
 def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,

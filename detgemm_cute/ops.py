@@ -94,15 +94,15 @@ def _input_grad_fake(dy, weight, out_dtype=None):
 
 
 @torch.library.custom_op("detgemm::weight_grad", mutates_args=())
-def weight_grad(dy: Tensor, x: Tensor) -> Tensor:
-    """dW = dY^T X over all tokens -> fp32 [N, K], the chain started at +0.0."""
-    return grads.weight_grad(dy, x, None, "detgemm::weight_grad")
+def weight_grad(dy: Tensor, x: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """dW = dY^T X over all tokens -> [N, K] (fp32 unless out_dtype), chain from +0.0."""
+    return grads.weight_grad(dy, x, None, "detgemm::weight_grad", out_dtype)
 
 
 @weight_grad.register_fake
-def _weight_grad_fake(dy, x):
+def _weight_grad_fake(dy, x, out_dtype=None):
     grads._check_token_pair(dy, x, "grad_output", "input", "detgemm::weight_grad")
-    return dy.new_empty((dy.shape[-1], x.shape[-1]), dtype=torch.float32)
+    return dy.new_empty((dy.shape[-1], x.shape[-1]), dtype=out_dtype or torch.float32)
 
 
 @torch.library.custom_op("detgemm::weight_grad_acc_", mutates_args=("acc",))
@@ -167,7 +167,7 @@ def _backward_linear(ctx, grad):
     x, weight = ctx.saved_tensors
     g = _grad_in(grad, ctx.in_dtype)
     gx = torch.ops.detgemm.input_grad(g, weight, ctx.in_dtype) if _needs(ctx, 0) else None
-    gw = torch.ops.detgemm.weight_grad(g, x).to(ctx.second_dtype) if _needs(ctx, 1) else None
+    gw = torch.ops.detgemm.weight_grad(g, x, ctx.second_dtype) if _needs(ctx, 1) else None
     gb = None
     if ctx.has_bias and _needs(ctx, 2):
         gb = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype)
@@ -184,7 +184,7 @@ def _mm_grads(ctx, grad, first):
     g = _grad_in(grad, ctx.in_dtype)
     ga = (torch.ops.detgemm.input_grad(g, b.t(), ctx.in_dtype) if _needs(ctx, first)
           else None)
-    gb = (torch.ops.detgemm.weight_grad(a, g).to(ctx.second_dtype) if _needs(ctx, first + 1)
+    gb = (torch.ops.detgemm.weight_grad(a, g, ctx.second_dtype) if _needs(ctx, first + 1)
           else None)
     return g, ga, gb
 

@@ -64,6 +64,7 @@ def test_grads_match_fp64(dtype, t, n, k):
     assert rel_err(dx, d64 @ w.double()) < TOL[dtype]
     assert rel_err(dw, d64.t() @ x.double()) < 1e-5  # fp32 out: no 16-bit rounding
     assert rel_err(db, d64.sum(0)) < 1e-5
+    assert same_bits(dg.weight_grad(dy, x, out_dtype=dtype), dw.to(dtype))
 
 
 @pytest.mark.parametrize("t,n,k", [(37, 24, 40), (100, 250, 1001), (300, 128, 64)])

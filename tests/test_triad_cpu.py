@@ -40,6 +40,7 @@ def test_opcheck_backward_ops():
     dy, x, w = rand(32, 16), rand(32, 24), rand(16, 24)
     torch.library.opcheck(torch.ops.detgemm.input_grad.default, (dy, w, None))
     torch.library.opcheck(torch.ops.detgemm.weight_grad.default, (dy, x))
+    torch.library.opcheck(torch.ops.detgemm.weight_grad.default, (dy, x, torch.bfloat16))
     torch.library.opcheck(torch.ops.detgemm.bias_grad.default, (dy,))
     acc = torch.randn(16, 24)
     torch.library.opcheck(torch.ops.detgemm.weight_grad_acc_.default, (acc, dy, x))
@@ -119,6 +120,16 @@ def test_weight_grad_microbatches_of_16_equal_one_call():
     for lo, hi in ((0, 48), (48, 96)):
         dg.bias_grad(dy[lo:hi], acc=db)
     assert same(db, dg.bias_grad(dy))
+
+
+def test_weight_grad_out_dtype_is_one_rounding_of_the_fp32_chain():
+    dy, x = rand(50, 24), rand(50, 40)
+    for dt in (torch.bfloat16, torch.float16):
+        assert same(dg.weight_grad(dy, x, out_dtype=dt), dg.weight_grad(dy, x).to(dt))
+    with pytest.raises(ValueError, match="fp32 accumulation buffer"):
+        dg.weight_grad(dy, x, acc=torch.zeros(24, 40), out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        dg.weight_grad(dy, x, out_dtype=torch.int8)
 
 
 def test_zero_padded_tokens_change_nothing():
