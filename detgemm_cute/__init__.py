@@ -87,6 +87,8 @@ def bias_grad(grad_output: torch.Tensor, *, acc: torch.Tensor | None = None):
 
 
 from . import nn  # noqa: E402  (nn builds on linear above)
+from .mode import batch_invariant_mode, disable, enable, report, reset_report  # noqa: E402
 
 __all__ = ["mm", "addmm", "linear", "input_grad", "weight_grad", "bias_grad", "nn",
+           "batch_invariant_mode", "enable", "disable", "report", "reset_report",
            "force_bucket", "__version__"]

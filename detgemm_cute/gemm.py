@@ -146,19 +146,23 @@ def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k):
 
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
          out_dtype: torch.dtype | None, key=None, plan=None, op: str = "fwd",
-         acc: torch.Tensor | None = None) -> torch.Tensor:
+         acc: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs.
 
     `op` picks the dispatch table (fwd | dx | dw). With `acc` (fp32 [M, N], dW +=) the
     chain continues from acc's values and the result is written back into acc, which is
-    returned; out_dtype must then be fp32 and bias None."""
+    returned; out_dtype must then be fp32 and bias None. `out` ([M, N] of out_dtype) receives
+    the result: written in place when TMA can address it, else copied in."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
     out_dtype = out_dtype or a.dtype
     if m == 0:
-        return acc if acc is not None else torch.empty((0, n), dtype=out_dtype, device=a.device)
+        if acc is not None or out is not None:
+            return acc if acc is not None else out
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
     if a.device.type == "cpu":
-        return _on_cpu(a, b, b_form, bias, out_dtype, acc)
+        c = _on_cpu(a, b, b_form, bias, out_dtype, acc)
+        return out.copy_(c) if out is not None else c
     if plan is None:
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
                          key or _key(a, b, b_form, bias, out_dtype, op, acc), m, n, k)
@@ -170,6 +174,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         bias = bias.contiguous()
     if acc is not None and not plan.acc_copy:
         c = acc
+    elif out is not None and not plan.pad_cols and _unit_dim(out) == "last":
+        c = out
     else:
         if plan.pad_cols:
             c = torch.empty((m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :n]
@@ -187,6 +193,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         if plan.acc_copy:
             acc.copy_(c)
         return acc
+    if out is not None:
+        return out if c is out else out.copy_(c)
     return c.contiguous() if plan.pad_cols else c
 
 

@@ -1,0 +1,392 @@
+"""`batch_invariant_mode()`: PyTorch's own matmuls on CUDA, computed by detgemm.
+
+While enabled, the CUDA kernels of ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``,
+``addmv`` (plus their ``out=`` and in-place forms) are replaced through a
+``torch.library.Library("aten", "IMPL")`` registration. ``F.linear``, ``torch.matmul``,
+``@`` and ``nn.Linear`` reach these ops on CUDA, and so does autograd: the backward of a
+matmul is again ``mm``/``bmm`` on CUDA tensors, so dX and dW run on detgemm too (one fp32
+chain per backward call, rounded once; accumulation of ``.grad`` across backward calls is
+PyTorch's, in the parameter dtype: use `nn.convert(fp32_grad_accum=True)` for the fp32
+chain across micro-batches). Disabling destroys the registration, which restores PyTorch's
+kernels exactly.
+
+Semantics kept: ``addmm``/``baddbmm``/``addmv`` with beta=alpha=1 and a bias row add the bias
+in fp32 before the one rounding; other beta/alpha compute ``alpha * (A @ B) + beta * self``
+in fp32 from the fp32 GEMM result and round once. ``bmm`` runs one GEMM per batch entry (the
+same chain per entry; the batch count changes nothing). The dispatch table follows the
+operand layout: a transposed A is a dW-shaped GEMM (``dw`` table), a ``[K, N]``-contiguous B
+a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bits.
+
+What detgemm cannot take (inputs other than bf16/fp16, mixed dtypes, a GPU without detgemm
+kernels) falls back to PyTorch's own kernel (the original, obtained with
+``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
+guaranteed; ``strict=True`` raises instead. Malformed calls (wrong ranks or shapes) go to
+PyTorch's kernel so its usual error comes out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .gemm import arch_of, gemm
+
+_IN = (torch.bfloat16, torch.float16)
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_lock = threading.RLock()
+_stack: list[bool] = []  # strictness of each active enable(), innermost last
+_lib = None
+_keys: tuple[str, ...] = ()
+_routed: Counter = Counter()
+_fell_back: Counter = Counter()
+_warned: set = set()
+_device_reason: dict = {}
+
+
+class BatchInvariantError(RuntimeError):
+    """strict=True and a matmul detgemm cannot run."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _device_problem(t: torch.Tensor) -> str | None:
+    """Why detgemm cannot run on t's device (None when it can). Cached per device."""
+    dev = t.device
+    if dev.type == "cpu":
+        return None if "CPU" in _keys else "CPU tensors"
+    reason = _device_reason.get(dev)
+    if dev not in _device_reason:
+        try:
+            from . import registry
+
+            registry.get_registry(arch_of(dev))
+            reason = None
+        except Exception as e:  # noqa: BLE001 - the message is the reason
+            reason = str(e).splitlines()[0]
+        _device_reason[dev] = reason
+    return reason
+
+
+def _problem(*ts) -> str | None:
+    dt = ts[0].dtype
+    for t in ts:
+        if t.dtype not in _IN:
+            return f"{t.dtype} inputs (detgemm takes bfloat16/float16)"
+        if t.dtype != dt:
+            return f"mixed dtypes {ts[0].dtype}/{t.dtype}"
+    return _device_problem(ts[0])
+
+
+def _table(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.dim() == 2 and a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1:
+        return "dw"  # A^T @ G: autograd's dW
+    if b.stride(1) == 1 and b.shape[1] > 1:
+        return "dx"  # G @ W with W [K, N] row-major: autograd's dX
+    return "fwd"
+
+
+def _shapes(*ts) -> str:
+    return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in ts if isinstance(t, torch.Tensor))
+
+
+class _Fallback(Exception):
+    pass
+
+
+def _route(op: str, *ts):
+    """Count a routed call, or decide a fallback (raise when strict)."""
+    why = _problem(*ts)
+    if why is None:
+        _routed[(op, _NAMES[ts[0].dtype])] += 1
+        return
+    if _stack and _stack[-1]:
+        raise BatchInvariantError(
+            f"batch_invariant_mode(strict=True): aten::{op} on {_shapes(*ts)} cannot run on "
+            f"detgemm: {why}")
+    _fell_back[(op, str(ts[0].dtype).replace("torch.", ""), why)] += 1
+    if (op, why) not in _warned:
+        _warned.add((op, why))
+        warnings.warn(f"detgemm batch_invariant_mode: aten::{op} with {why} falls back to "
+                      f"PyTorch's kernel; those results are not guaranteed to be "
+                      f"batch-invariant (this warning is shown once per op and reason)",
+                      stacklevel=4)
+    raise _Fallback
+
+
+def _mm2d(a, b, out=None, bias=None, out_dtype=None):
+    """One 2-D GEMM a [M, K] @ b [K, N] (K >= 0), optional fp32 bias, into `out`."""
+    m, k = a.shape
+    n = b.shape[1]
+    dt = out_dtype or a.dtype
+    if k == 0 or n == 0:
+        r = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+        if bias is not None:
+            r = r + bias.float()
+        r = r.to(dt)
+        return r if out is None else out.copy_(r)
+    return gemm(a, b, "kn", bias, out_dtype, op=_table(a, b), out=out)
+
+
+def _bias_row(self, n):
+    """`self` as a length-N bias when it is one broadcast row (None otherwise)."""
+    if self.dim() == 1 and self.shape[0] == n:
+        return self
+    if self.dim() == 2 and self.shape[1] == n and (self.shape[0] == 1 or self.stride(0) == 0):
+        return self[0]
+    return None
+
+
+def _scaled(y32, self, beta, alpha, dtype):
+    """alpha * y + beta * self in fp32 (beta == 0 ignores self, as PyTorch does), one
+    rounding to dtype."""
+    r = y32 if alpha == 1 else y32 * alpha
+    if beta != 0:
+        r = r + (self.float() if beta == 1 else self.float() * beta)
+    return r.to(dtype)
+
+
+def _addmm_value(self, m1, m2, beta, alpha):
+    n = m2.shape[1]
+    bias = _bias_row(self, n) if beta == 1 and alpha == 1 else None
+    if bias is not None:
+        return _mm2d(m1, m2, bias=bias)
+    return _scaled(_mm2d(m1, m2, out_dtype=torch.float32), self, beta, alpha, m1.dtype)
+
+
+def _bmm_value(b1, b2, out=None, out_dtype=None):
+    lb, m, _ = b1.shape
+    n = b2.shape[2]
+    res = out if out is not None else torch.empty((lb, m, n), dtype=out_dtype or b1.dtype,
+                                                  device=b1.device)
+    for i in range(lb):
+        _mm2d(b1[i], b2[i], out=res[i], out_dtype=out_dtype)
+    return res
+
+
+def _ok_2d(a, b):
+    return a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+
+
+def _ok_3d(a, b):
+    return (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]
+            and a.shape[2] == b.shape[1])
+
+
+def _into(out, r):
+    if out.shape != r.shape:
+        out.resize_(r.shape)
+    return out.copy_(r)
+
+
+# ------------------------------------------------------------------- the replacements
+def _mm(a, b):
+    if not _ok_2d(a, b):
+        raise _Fallback
+    _route("mm", a, b)
+    return _mm2d(a, b)
+
+
+def _mm_out(a, b, *, out):
+    if not _ok_2d(a, b) or out.dtype != a.dtype:
+        raise _Fallback
+    _route("mm.out", a, b)
+    return _into(out, _mm2d(a, b))
+
+
+def _addmm(self, m1, m2, *, beta=1, alpha=1):
+    if not _ok_2d(m1, m2):
+        raise _Fallback
+    _route("addmm", m1, m2, self)
+    return _addmm_value(self, m1, m2, beta, alpha)
+
+
+def _addmm_out(self, m1, m2, *, beta=1, alpha=1, out):
+    if not _ok_2d(m1, m2) or out.dtype != m1.dtype:
+        raise _Fallback
+    _route("addmm.out", m1, m2, self)
+    return _into(out, _addmm_value(self, m1, m2, beta, alpha))
+
+
+def _addmm_(self, m1, m2, *, beta=1, alpha=1):
+    if not _ok_2d(m1, m2):
+        raise _Fallback
+    _route("addmm_", m1, m2, self)
+    return self.copy_(_addmm_value(self, m1, m2, beta, alpha))
+
+
+def _bmm(a, b):
+    if not _ok_3d(a, b):
+        raise _Fallback
+    _route("bmm", a, b)
+    return _bmm_value(a, b)
+
+
+def _bmm_out(a, b, *, out):
+    if not _ok_3d(a, b) or out.dtype != a.dtype:
+        raise _Fallback
+    _route("bmm.out", a, b)
+    return _into(out, _bmm_value(a, b))
+
+
+def _baddbmm_value(self, b1, b2, beta, alpha):
+    y32 = _bmm_value(b1, b2, out_dtype=torch.float32)
+    return _scaled(y32, self, beta, alpha, b1.dtype)
+
+
+def _baddbmm(self, b1, b2, *, beta=1, alpha=1):
+    if not _ok_3d(b1, b2):
+        raise _Fallback
+    _route("baddbmm", b1, b2, self)
+    return _baddbmm_value(self, b1, b2, beta, alpha)
+
+
+def _baddbmm_out(self, b1, b2, *, beta=1, alpha=1, out):
+    if not _ok_3d(b1, b2) or out.dtype != b1.dtype:
+        raise _Fallback
+    _route("baddbmm.out", b1, b2, self)
+    return _into(out, _baddbmm_value(self, b1, b2, beta, alpha))
+
+
+def _baddbmm_(self, b1, b2, *, beta=1, alpha=1):
+    if not _ok_3d(b1, b2):
+        raise _Fallback
+    _route("baddbmm_", b1, b2, self)
+    return self.copy_(_baddbmm_value(self, b1, b2, beta, alpha))
+
+
+def _mv(a, v):
+    if a.dim() != 2 or v.dim() != 1 or a.shape[1] != v.shape[0]:
+        raise _Fallback
+    _route("mv", a, v)
+    return _mm2d(a, v.unsqueeze(1))[:, 0]
+
+
+def _addmv(self, a, v, *, beta=1, alpha=1):
+    if a.dim() != 2 or v.dim() != 1 or a.shape[1] != v.shape[0]:
+        raise _Fallback
+    _route("addmv", a, v, self)
+    y32 = _mm2d(a, v.unsqueeze(1), out_dtype=torch.float32)[:, 0]
+    return _scaled(y32, self, beta, alpha, a.dtype)
+
+
+_REPLACEMENTS = {
+    "mm": _mm, "mm.out": _mm_out, "addmm": _addmm, "addmm.out": _addmm_out,
+    "addmm_": _addmm_, "bmm": _bmm, "bmm.out": _bmm_out, "baddbmm": _baddbmm,
+    "baddbmm.out": _baddbmm_out, "baddbmm_": _baddbmm_, "mv": _mv, "addmv": _addmv,
+}
+
+
+def _kernel(name, fn, original):
+    def impl(keyset, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _Fallback:
+            return original.call_boxed(keyset, *args, **kwargs)
+
+    impl.__name__ = f"detgemm_{name.replace('.', '_')}"
+    return impl
+
+
+def _register(keys):
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
+        warnings.simplefilter("ignore", UserWarning)
+        for key in keys:
+            for name, fn in _REPLACEMENTS.items():
+                original = torch.library.get_kernel(f"aten::{name}", key)
+                lib.impl(name, _kernel(name, fn, original), key, with_keyset=True)
+    return lib
+
+
+# -------------------------------------------------------------------------- public API
+def enable(strict: bool = False, *, _dispatch_keys: tuple[str, ...] = ("CUDA",)) -> None:
+    """Route PyTorch's CUDA matmuls through detgemm until the matching `disable()`.
+
+    Calls nest: each enable() pushes its strictness, each disable() pops it; the kernels are
+    replaced at the first enable and restored at the last disable. `strict=True` raises
+    `BatchInvariantError` for a matmul detgemm cannot run instead of falling back."""
+    global _lib, _keys
+    with _lock:
+        keys = tuple(_dispatch_keys)
+        if _lib is None:
+            _keys = keys
+            _lib = _register(keys)
+            _device_reason.clear()
+        elif keys != _keys:
+            raise RuntimeError(f"batch_invariant_mode is already enabled for {_keys}; "
+                               f"cannot nest a different set {keys}")
+        _stack.append(bool(strict))
+
+
+def disable() -> bool:
+    """Undo the innermost `enable()`; the last one restores PyTorch's kernels. Returns
+    False (and does nothing) when the mode is not enabled."""
+    global _lib, _keys
+    with _lock:
+        if not _stack:
+            return False
+        _stack.pop()
+        if not _stack:
+            _lib._destroy()
+            _lib, _keys = None, ()
+        return True
+
+
+def is_enabled() -> bool:
+    return bool(_stack)
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(strict: bool = False, *, _dispatch_keys: tuple[str, ...] = ("CUDA",)):
+    """Context manager form of `enable()`/`disable()`; the previous state comes back on exit,
+    also when the body raises."""
+    enable(strict, _dispatch_keys=_dispatch_keys)
+    try:
+        yield
+    finally:
+        disable()
+
+
+@dataclass
+class Report:
+    """Calls since the last `reset_report()`: routed through detgemm by (op, dtype), and
+    fallen back to PyTorch by (op, dtype, reason)."""
+
+    routed: dict
+    fell_back: dict
+
+    @property
+    def total_routed(self) -> int:
+        return sum(self.routed.values())
+
+    @property
+    def total_fell_back(self) -> int:
+        return sum(self.fell_back.values())
+
+    def __str__(self) -> str:
+        lines = [f"detgemm batch_invariant_mode: {self.total_routed} calls on detgemm, "
+                 f"{self.total_fell_back} fell back to PyTorch"]
+        for (op, dt), n in sorted(self.routed.items()):
+            lines.append(f"  detgemm   aten::{op:12s} {dt:5s} {n}")
+        for (op, dt, why), n in sorted(self.fell_back.items()):
+            lines.append(f"  fallback  aten::{op:12s} {dt:5s} {n}  ({why})")
+        return "\n".join(lines)
+
+
+def report() -> Report:
+    return Report(dict(_routed), dict(_fell_back))
+
+
+def reset_report() -> None:
+    """Zero the counters and show each fallback warning again."""
+    _routed.clear()
+    _fell_back.clear()
+    _warned.clear()
+
+
+__all__ = ["batch_invariant_mode", "enable", "disable", "is_enabled", "report",
+           "reset_report", "Report", "BatchInvariantError"]
