@@ -35,6 +35,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
           out_dtype: torch.dtype | None = None):
     """``bias [N] + a [M, K] @ b [K, N]``; the bias is added in fp32 before the rounding."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"detgemm_cute.addmm: bias must be a torch.Tensor, got "
+                        f"{type(bias).__name__} (use detgemm_cute.mm for no bias)")
     if _needs_graph(bias, a, b):
         return torch.ops.detgemm.addmm(bias, a, b, out_dtype)
     return _checked_gemm(a, b, "kn", bias, out_dtype, "detgemm_cute.addmm", ("a", "b", "bias"))
@@ -49,6 +52,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _ops._linear(x, weight, bias, out_dtype, "detgemm_cute.linear")
     return _checked_gemm(x, weight, "nk", bias, out_dtype, "detgemm_cute.linear",
                          ("input", "weight", "bias"))
+
+
+def _no_grad_buffer(acc, op):
+    """The in-place ops mutate `acc`; autograd cannot track that for a tensor needing grad."""
+    if getattr(acc, "requires_grad", False) and torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: acc requires grad; pass a plain buffer (e.g. .detach())")
 
 
 def input_grad(grad_output: torch.Tensor, weight: torch.Tensor, *,
@@ -70,6 +79,7 @@ def weight_grad(grad_output: torch.Tensor, input: torch.Tensor, *,
     if _compiling():
         if acc is None:
             return torch.ops.detgemm.weight_grad(grad_output, input, out_dtype)
+        _no_grad_buffer(acc, "detgemm_cute.weight_grad")
         torch.ops.detgemm.weight_grad_acc_(acc, grad_output, input)
         return acc
     return _grads.weight_grad(grad_output, input, acc, out_dtype=out_dtype)
@@ -81,6 +91,7 @@ def bias_grad(grad_output: torch.Tensor, *, acc: torch.Tensor | None = None):
     if _compiling():
         if acc is None:
             return torch.ops.detgemm.bias_grad(grad_output)
+        _no_grad_buffer(acc, "detgemm_cute.bias_grad")
         torch.ops.detgemm.bias_grad_acc_(acc, grad_output)
         return acc
     return _grads.bias_grad(grad_output, acc)

@@ -160,9 +160,11 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, *,
     if not matches:
         reg.lookup(op, dtype, m, n, k)  # raises NoBucketError with the reason
     b = matches[0]
+    named = reg.named(b.name)  # highest layer first; b may sit below a same-named bucket
+    below = next(i for i, x in enumerate(named) if x is b) + 1
     return Explanation(op=op, dtype=dtype, arch=reg.arch, m=m, n=n, k=k, bucket=b,
                        reason=_reason(b, m, n, k), shadowed=matches[1:],
-                       same_name=reg.named(b.name)[1:])
+                       same_name=named[below:])
 
 
 __all__ = ["lookup", "explain", "Explanation", "dtype_name", "arch_for_capability",

@@ -55,15 +55,22 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
             raise TypeError(f"{op}: {biasn} must have dtype {a.dtype} like {an}, got {bias.dtype}")
     if check_device:
         check_devices(a, b, bias, op, names)
+    else:  # fake tensors (tracing) carry real devices; they must still agree
+        _same_device(a, b, bias, op, names)
 
 
 def check_devices(a, b, bias, op, names=("a", "b", "bias")):
-    an, bn, biasn = names
+    an = names[0]
     if a.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{op}: {an} is on {a.device}; detgemm runs on CUDA tensors (SM90 "
                          f"kernels) and on CPU tensors (the bit-exact reference)")
+    _same_device(a, b, bias, op, names)
+
+
+def _same_device(a, b, bias, op, names):
+    an, bn, biasn = names
     if b.device != a.device:
         raise ValueError(f"{op}: {bn} is on {b.device} but {an} is on {a.device}; "
-                         f"both must be on the same CUDA device")
+                         f"both must be on the same device")
     if bias is not None and bias.device != a.device:
         raise ValueError(f"{op}: {biasn} is on {bias.device} but {an} is on {a.device}")

@@ -19,11 +19,12 @@ Casting to the parameter dtype (if wanted) is the caller's one rounding, done on
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
-from .errors import IN_DTYPES, check_devices, check_gemm_args
+from .errors import IN_DTYPES, MAX_DIM, check_devices, check_gemm_args
 from .gemm import gemm
 
 _FP32 = torch.float32
@@ -33,17 +34,38 @@ _ones_lock = threading.Lock()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    """[..., F] -> [rows, F] (a view where possible); F = 0 is fine, unlike reshape(-1, 0)."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def check_input_grad(dy, weight, out_dtype, op, check_device=True) -> torch.Tensor:
+    """Validate dX's arguments; returns dY as 2-D."""
+    _check_tensor_rank(dy, "grad_output", op)
+    dy2 = _flat(dy)
+    check_gemm_args(dy2, weight, "kn", None, out_dtype, op, ("grad_output", "weight", "bias"),
+                    check_device=check_device)
+    return dy2
 
 
 def input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype=None,
                op: str = "detgemm_cute.input_grad") -> torch.Tensor:
     """dX = dY [..., N] @ weight [N, K] -> [..., K] in out_dtype (default dY's dtype)."""
-    _check_tensor_rank(dy, "grad_output", op)
-    dy2 = _flat(dy)
-    check_gemm_args(dy2, weight, "kn", None, out_dtype, op, ("grad_output", "weight", "bias"))
+    dy2 = check_input_grad(dy, weight, out_dtype, op)
     dx = gemm(dy2, weight, "kn", None, out_dtype, op="dx")
     return dx.reshape(*dy.shape[:-1], weight.shape[1])
+
+
+def check_weight_grad(dy, x, acc, out_dtype, op, check_device=True):
+    """Validate dW's arguments; returns (dY 2-D, X 2-D, output dtype)."""
+    dy2, x2 = _check_token_pair(dy, x, "grad_output", "input", op, check_device)
+    _check_acc(acc, (dy2.shape[1], x2.shape[1]), dy2, op)
+    if out_dtype not in (None, _FP32) and acc is not None:
+        raise ValueError(f"{op}: an fp32 accumulation buffer takes fp32 results; got "
+                         f"out_dtype={out_dtype}")
+    if out_dtype not in (None, _FP32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or "
+                        f"torch.float16, got {out_dtype}")
+    return dy2, x2, out_dtype or _FP32
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None,
@@ -54,19 +76,27 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = No
     bits as ``weight_grad(...).to(out_dtype)`` without the fp32 round trip through memory.
     With `acc` (fp32 [N, K]) the chain continues from acc's values and the result is written
     into acc in place (``acc += dY^T X`` as one chain), which is returned."""
-    dy2, x2 = _check_token_pair(dy, x, "grad_output", "input", op)
+    dy2, x2, out_dtype = check_weight_grad(dy, x, acc, out_dtype, op)
     n, k = dy2.shape[1], x2.shape[1]
-    _check_acc(acc, (n, k), dy2, op)
-    if out_dtype not in (None, _FP32) and acc is not None:
-        raise ValueError(f"{op}: an fp32 accumulation buffer takes fp32 results; got "
-                         f"out_dtype={out_dtype}")
-    out_dtype = out_dtype or _FP32
-    if out_dtype not in (_FP32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or "
-                        f"torch.float16, got {out_dtype}")
     if dy2.shape[0] == 0:
         return acc if acc is not None else torch.zeros((n, k), dtype=out_dtype, device=dy.device)
     return gemm(dy2.t(), x2, "kn", None, out_dtype, op="dw", acc=acc)
+
+
+def check_bias_grad(dy, acc, op, check_device=True) -> torch.Tensor:
+    """Validate the bias gradient's arguments; returns dY as 2-D."""
+    _check_tensor_rank(dy, "grad_output", op)
+    if dy.dtype not in IN_DTYPES:
+        raise TypeError(f"{op}: grad_output must be torch.bfloat16 or torch.float16, got "
+                        f"{dy.dtype}")
+    if check_device:
+        check_devices(dy, dy, None, op, ("grad_output", "grad_output", "bias"))
+    dy2 = _flat(dy)
+    if dy2.shape[1] < 1:
+        raise ValueError(f"{op}: grad_output must have a last dim >= 1, got {tuple(dy.shape)}")
+    _check_tokens(dy2.shape[0], op)
+    _check_acc(acc, (dy2.shape[1],), dy2, op)
+    return dy2
 
 
 def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,
@@ -74,16 +104,8 @@ def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,
     """db = sum over tokens of dY [..., N] -> fp32 [N], as the dW GEMM against ones.
 
     With `acc` (fp32 [N]) the sum continues from acc's values, written into acc in place."""
-    _check_tensor_rank(dy, "grad_output", op)
-    if dy.dtype not in IN_DTYPES:
-        raise TypeError(f"{op}: grad_output must be torch.bfloat16 or torch.float16, got "
-                        f"{dy.dtype}")
-    check_devices(dy, dy, None, op, ("grad_output", "grad_output", "bias"))
-    dy2 = _flat(dy)
+    dy2 = check_bias_grad(dy, acc, op)
     n, t = dy2.shape[1], dy2.shape[0]
-    if n < 1:
-        raise ValueError(f"{op}: grad_output must have a last dim >= 1, got {tuple(dy.shape)}")
-    _check_acc(acc, (n,), dy2, op)
     if t == 0:
         return acc if acc is not None else torch.zeros((n,), dtype=_FP32, device=dy.device)
     ones = _ones_operand(dy2.device, dy2.dtype, t)
@@ -119,7 +141,12 @@ def _check_tensor_rank(t, name, op):
         raise ValueError(f"{op}: {name} must have shape [..., features], got a 0-d tensor")
 
 
-def _check_token_pair(dy, x, dy_name, x_name, op):
+def _check_tokens(t, op):
+    if t > MAX_DIM:
+        raise ValueError(f"{op}: the token count {t} exceeds the supported maximum {MAX_DIM}")
+
+
+def _check_token_pair(dy, x, dy_name, x_name, op, check_device=True):
     """dY [..., N] and X [..., K] with the same leading (token) shape -> 2-D views."""
     _check_tensor_rank(dy, dy_name, op)
     _check_tensor_rank(x, x_name, op)
@@ -133,11 +160,16 @@ def _check_token_pair(dy, x, dy_name, x_name, op):
     if x.dtype != dy.dtype:
         raise TypeError(f"{op}: {x_name} must have the same dtype as {dy_name} ({dy.dtype}), "
                         f"got {x.dtype}")
-    check_devices(dy, x, None, op, (dy_name, x_name, "acc"))
+    if check_device:
+        check_devices(dy, x, None, op, (dy_name, x_name, "acc"))
+    elif dy.device != x.device:
+        raise ValueError(f"{op}: {x_name} is on {x.device} but {dy_name} is on {dy.device}")
     if dy.shape[-1] < 1 or x.shape[-1] < 1:
         raise ValueError(f"{op}: feature dims must be >= 1, got {dy_name} {tuple(dy.shape)}, "
                          f"{x_name} {tuple(x.shape)}")
-    return _flat(dy), _flat(x)
+    dy2, x2 = _flat(dy), _flat(x)
+    _check_tokens(dy2.shape[0], op)
+    return dy2, x2
 
 
 def _check_acc(acc, shape, like, op):
@@ -154,6 +186,9 @@ def _check_acc(acc, shape, like, op):
         raise ValueError(f"{op}: acc is on {acc.device} but the gradients are on {like.device}")
     if acc.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{op}: acc requires grad; pass a plain buffer (e.g. .detach())")
+    if any(st == 0 and sz > 1 for st, sz in zip(acc.stride(), acc.shape)):
+        raise ValueError(f"{op}: acc has elements that share memory (an expanded view, strides "
+                         f"{acc.stride()}); pass a buffer with one memory location per element")
 
 
 __all__ = ["input_grad", "weight_grad", "bias_grad"]

@@ -27,15 +27,21 @@ _NAMES = ("a", "b", "bias")
 _LINEAR_NAMES = ("input", "weight", "bias")
 
 
+def _linear_args(x, weight, bias, out_dtype, op, check_device=True):
+    """Validate linear's arguments (eager and fake alike); returns x as 2-D."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: input must be a tensor of shape [..., K], got a 0-d tensor")
+    x2 = grads._flat(x)
+    check_gemm_args(x2, weight, "nk", bias, out_dtype, op, _LINEAR_NAMES, check_device)
+    return x2
+
+
 def _linear(x, weight, bias, out_dtype, op):
-    if not isinstance(x, Tensor) or x.dim() < 1:
-        raise ValueError(f"{op}: input must be a tensor of shape [..., K], got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    check_gemm_args(x2, weight, "nk", bias, out_dtype, op, _LINEAR_NAMES)
+    x2 = _linear_args(x, weight, bias, out_dtype, op)
     y = gemm(x2, weight, "nk", bias, out_dtype)
-    return y.reshape(*lead, weight.shape[0])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("detgemm::mm", mutates_args=())
@@ -73,9 +79,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 @linear.register_fake
 def _linear_fake(x, weight, bias=None, out_dtype=None):
-    x2 = x.reshape(-1, x.shape[-1])
-    check_gemm_args(x2, weight, "nk", bias, out_dtype, "detgemm::linear", _LINEAR_NAMES,
-                    check_device=False)
+    _linear_args(x, weight, bias, out_dtype, "detgemm::linear", check_device=False)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype or x.dtype)
 
 
@@ -88,8 +92,7 @@ def input_grad(dy: Tensor, weight: Tensor, out_dtype: Optional[torch.dtype] = No
 
 @input_grad.register_fake
 def _input_grad_fake(dy, weight, out_dtype=None):
-    check_gemm_args(dy.reshape(-1, dy.shape[-1]), weight, "kn", None, out_dtype,
-                    "detgemm::input_grad", ("grad_output", "weight", "bias"), check_device=False)
+    grads.check_input_grad(dy, weight, out_dtype, "detgemm::input_grad", check_device=False)
     return dy.new_empty((*dy.shape[:-1], weight.shape[1]), dtype=out_dtype or dy.dtype)
 
 
@@ -101,19 +104,21 @@ def weight_grad(dy: Tensor, x: Tensor, out_dtype: Optional[torch.dtype] = None) 
 
 @weight_grad.register_fake
 def _weight_grad_fake(dy, x, out_dtype=None):
-    grads._check_token_pair(dy, x, "grad_output", "input", "detgemm::weight_grad")
-    return dy.new_empty((dy.shape[-1], x.shape[-1]), dtype=out_dtype or torch.float32)
+    _, _, dt = grads.check_weight_grad(dy, x, None, out_dtype, "detgemm::weight_grad", False)
+    return dy.new_empty((dy.shape[-1], x.shape[-1]), dtype=dt)
 
 
 @torch.library.custom_op("detgemm::weight_grad_acc_", mutates_args=("acc",))
 def weight_grad_acc_(acc: Tensor, dy: Tensor, x: Tensor) -> None:
-    """acc (fp32 [N, K]) += dY^T X as one continued chain, in place."""
+    """acc (fp32 [N, K]) += dY^T X as one continued chain, in place. acc must be a plain
+    buffer (not requiring grad): autograd cannot see this mutation."""
+    _plain_buffer(acc, "detgemm::weight_grad_acc_")
     grads.weight_grad(dy, x, acc, "detgemm::weight_grad_acc_")
 
 
 @weight_grad_acc_.register_fake
 def _weight_grad_acc_fake(acc, dy, x):
-    grads._check_token_pair(dy, x, "grad_output", "input", "detgemm::weight_grad_acc_")
+    grads.check_weight_grad(dy, x, acc, None, "detgemm::weight_grad_acc_", False)
 
 
 @torch.library.custom_op("detgemm::bias_grad", mutates_args=())
@@ -124,18 +129,25 @@ def bias_grad(dy: Tensor) -> Tensor:
 
 @bias_grad.register_fake
 def _bias_grad_fake(dy):
+    grads.check_bias_grad(dy, None, "detgemm::bias_grad", check_device=False)
     return dy.new_empty((dy.shape[-1],), dtype=torch.float32)
 
 
 @torch.library.custom_op("detgemm::bias_grad_acc_", mutates_args=("acc",))
 def bias_grad_acc_(acc: Tensor, dy: Tensor) -> None:
     """acc (fp32 [N]) += sum over tokens of dY, continuing the chain, in place."""
+    _plain_buffer(acc, "detgemm::bias_grad_acc_")
     grads.bias_grad(dy, acc, "detgemm::bias_grad_acc_")
 
 
 @bias_grad_acc_.register_fake
 def _bias_grad_acc_fake(acc, dy):
-    return None
+    grads.check_bias_grad(dy, acc, "detgemm::bias_grad_acc_", check_device=False)
+
+
+def _plain_buffer(acc, op):
+    if acc.requires_grad:
+        raise RuntimeError(f"{op}: acc requires grad; pass a plain buffer (e.g. .detach())")
 
 
 def _grad_in(grad: Tensor, dtype: torch.dtype) -> Tensor:

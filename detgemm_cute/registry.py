@@ -153,17 +153,25 @@ class _Loader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader, node):
-    loader.flatten_mapping(node)
-    out, lines, repeated = _Mapping(), {}, []
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
+    # A key written twice is an error, but a key that overrides one pulled in by a YAML
+    # merge (`<<: *base`) is what merges are for: look for repeats among written keys only.
+    written, repeated = set(), []
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         try:
+            key = loader.construct_object(key_node, deep=True)
             hash(key)
         except TypeError:
             raise yaml.constructor.ConstructorError(
                 None, None, "a mapping key must be a plain value", key_node.start_mark)
-        if key in out:
+        if key in written:
             repeated.append((key, key_node.start_mark.line + 1))
+        written.add(key)
+    loader.flatten_mapping(node)
+    out, lines = _Mapping(), {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
         out[key] = loader.construct_object(value_node, deep=True)
         lines[key] = key_node.start_mark.line + 1
     out.line, out.key_lines, out.repeated = node.start_mark.line + 1, lines, tuple(repeated)
@@ -175,10 +183,13 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 def _read_yaml(path: Path):
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(path, [f"{show_path(path)}: cannot read config file: "
                                  f"{e.strerror or e}"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, [f"{show_path(path)}: cannot read config file: not UTF-8 text "
+                                 f"(byte {e.object[e.start]:#04x} at offset {e.start})"]) from None
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:

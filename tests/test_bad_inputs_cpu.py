@@ -66,10 +66,6 @@ REF = {
 FN = {"mm": dg.mm, "addmm": dg.addmm, "linear": dg.linear, "input_grad": dg.input_grad,
       "weight_grad": dg.weight_grad, "bias_grad": dg.bias_grad}
 
-META_FAKE = ("an operand on 'meta' next to CPU ones dispatches torch.ops.detgemm.* (and the "
-             "autograd path of dg.*) to the fake kernel, which skips the device check and "
-             "returns an uninitialised CPU tensor without running the GEMM")
-
 
 def E(call, exc, regex, id, marks=()):
     return pytest.param(call, exc, regex, id=id, marks=marks)
@@ -170,9 +166,7 @@ BAD = [
       "addmm-N0"),
     E(lambda: dg.linear(rand(M, 0), rand(N, 0)), ValueError,
       r"N and K must be >= 1, got N=3, K=0 \(input \(4, 0\), weight \(3, 0\)\)", "linear-K0"),
-    *[E(call, ValueError, regex, name, XF(
-        "a last dim of 0 on an input that is not 2-D crashes in reshape(-1, 0) with torch's "
-        "'cannot reshape tensor of 0 elements' RuntimeError, naming no argument"))
+    *[E(call, ValueError, regex, name)
       for call, regex, name in (
           (lambda: dg.linear(rand(2, M, 0), rand(N, 0)), r"N and K must be >= 1", "linear-K0-3d"),
           (lambda: dg.linear(rand(0), rand(N, 0)), r"N and K must be >= 1", "linear-K0-1d"),
@@ -214,12 +208,10 @@ BAD = [
     E(lambda: dg.bias_grad(rand(M, N), acc=np.zeros(N, np.float32)), TypeError,
       r"acc must be a torch\.Tensor or None, got ndarray", "bias_grad-acc-ndarray"),
     *[E(call, TypeError, r"linear: input must be a torch\.Tensor, got " + name,
-        f"linear-x-{name}", XF("dg.linear raises ValueError (not TypeError, unlike every other "
-                               "entry point and reference.linear) for a non-tensor input"))
+        f"linear-x-{name}")
       for call, name in ((lambda: dg.linear([[1.0] * K], rand(N, K)), "list"),
                          (lambda: dg.linear(None, rand(N, K)), "NoneType"))],
-    *[E(call, TypeError, r"addmm: bias must be a torch\.Tensor, got NoneType", f"addmm-None-{g}",
-        XF("dg.addmm(None, a, b) " + why))
+    *[E(call, TypeError, r"addmm: bias must be a torch\.Tensor, got NoneType", f"addmm-None-{g}")
       for call, g, why in (
           (lambda: dg.addmm(None, rand(M, K), rand(K, N)), "eager",
            "silently computes mm (reference.addmm raises TypeError)"),
@@ -252,7 +244,7 @@ BAD = [
       r"acc is on meta but the gradients are on cpu", "weight_grad-acc-meta"),
     E(lambda: dg.bias_grad(rand(M, N), acc=meta(N, dtype=F32)), ValueError,
       r"acc is on meta but the gradients are on cpu", "bias_grad-acc-meta"),
-    *[E(call, ValueError, regex, f"{name}-cpu-meta", XF(META_FAKE)) for call, regex, name in (
+    *[E(call, ValueError, regex, f"{name}-cpu-meta") for call, regex, name in (
         (lambda: dg.linear(rand(M, K, grad=True), meta(N, K)),
          r"weight is on meta but input is on cpu", "linear-autograd"),
         (lambda: dg.addmm(meta(N), rand(M, K, grad=True), rand(K, N)),
@@ -289,9 +281,7 @@ BAD = [
       RuntimeError, r"weight_grad: acc requires grad; pass a plain buffer", "weight_grad-acc-rg"),
     E(lambda: dg.bias_grad(rand(M, N), acc=torch.zeros(N, requires_grad=True)), RuntimeError,
       r"bias_grad: acc requires grad", "bias_grad-acc-rg"),
-    *[E(call, (ValueError, RuntimeError), r"\bacc\b", name,
-        XF("an expanded (self-overlapping) acc fails in torch's copy_ after the whole GEMM, "
-           "with a message that does not name acc"))
+    *[E(call, (ValueError, RuntimeError), r"\bacc\b", name)
       for call, name in ((lambda: dg.weight_grad(rand(M, N), rand(M, K),
                                                  acc=torch.zeros(1, K).expand(N, K)),
                           "weight_grad-acc-expanded"),
@@ -319,9 +309,9 @@ BAD = [
     E(lambda: OPS.mm(rand(M, K), rand(K, N), "bf16"), RuntimeError, r"argument 'out_dtype'",
       "op-mm-out-str"),
     E(lambda: OPS.weight_grad_acc_(torch.zeros(N, K, requires_grad=True), rand(M, N), rand(M, K)),
-      RuntimeError, r"acc requires grad", "op-weight_grad_acc_-rg",
-      XF("through the op (and so under torch.compile) the requires-grad check on acc is "
-         "bypassed: the leaf is mutated in place without an error")),
+      RuntimeError, r"acc requires grad", "op-weight_grad_acc_-rg"),
+    E(lambda: OPS.bias_grad_acc_(torch.zeros(N, requires_grad=True), rand(M, N)),
+      RuntimeError, r"acc requires grad", "op-bias_grad_acc_-rg"),
     E(lambda: dg.linear(rand(2, M, K, dtype=F32, grad=True), rand(N, K, dtype=F32)), TypeError,
       r"detgemm::linear: input must be torch\.bfloat16", "autograd-linear-fp32"),
     E(lambda: dg.mm(rand(M, K, grad=True), rand(K + 1, N)), ValueError,
@@ -337,8 +327,6 @@ def test_bad_input_is_refused(call, exc, regex):
         call()
 
 
-@pytest.mark.xfail(strict=True, reason="weight_grad/bias_grad never check the token count "
-                   "(the dW GEMM's K) against 2**31 - 1; the GEMM is launched")
 @pytest.mark.parametrize("call", [lambda: dg.weight_grad(huge(BIG, N), huge(BIG, K)),
                                   lambda: dg.bias_grad(huge(BIG, N))], ids=["dw", "db"])
 def test_token_count_beyond_int32_is_refused(monkeypatch, call):
@@ -351,7 +339,6 @@ def test_token_count_beyond_int32_is_refused(monkeypatch, call):
         call()
 
 
-FAKE_GAP = "the fake implementation does not run the eager input checks"
 FAKE = [
     E(lambda: OPS.mm(rand(M, K, dtype=F32), rand(K, N, dtype=F32)), TypeError, r"a must be",
       "mm-fp32"),
@@ -361,18 +348,18 @@ FAKE = [
     E(lambda: OPS.input_grad(rand(M, N), rand(N + 1, K)), ValueError, r"K mismatch", "dx-N"),
     E(lambda: OPS.weight_grad(rand(M, N), rand(M + 1, K)), ValueError, r"same leading", "dw-T"),
     E(lambda: OPS.linear(rand(), rand(N, K)), ValueError, r"input must be a tensor of shape",
-      "linear-0d", XF(FAKE_GAP + ": IndexError: tuple index out of range")),
+      "linear-0d"),
     E(lambda: OPS.input_grad(rand(), rand(N, K)), ValueError, r"grad_output must have shape",
-      "dx-0d", XF(FAKE_GAP + ": IndexError: tuple index out of range")),
+      "dx-0d"),
     E(lambda: OPS.weight_grad(rand(M, N), rand(M, K), torch.int8), TypeError, r"out_dtype",
-      "dw-out-int8", XF(FAKE_GAP + ": returns an int8 tensor")),
+      "dw-out-int8"),
     E(lambda: OPS.bias_grad(rand(M, N, dtype=F32)), TypeError, r"grad_output must be",
-      "db-fp32", XF(FAKE_GAP)),
-    E(lambda: OPS.bias_grad(rand(M, 0)), ValueError, r"last dim >= 1", "db-N0", XF(FAKE_GAP)),
+      "db-fp32"),
+    E(lambda: OPS.bias_grad(rand(M, 0)), ValueError, r"last dim >= 1", "db-N0"),
     E(lambda: OPS.weight_grad_acc_(torch.zeros(N, K, dtype=FP), rand(M, N), rand(M, K)),
-      TypeError, r"acc must be torch\.float32", "dw-acc-fp16", XF(FAKE_GAP)),
+      TypeError, r"acc must be torch\.float32", "dw-acc-fp16"),
     E(lambda: OPS.bias_grad_acc_(torch.zeros(N + 1), rand(M, N)), ValueError,
-      r"acc must have shape", "db-acc-shape", XF(FAKE_GAP)),
+      r"acc must have shape", "db-acc-shape"),
 ]
 
 
@@ -393,11 +380,9 @@ def test_fake_impls_raise_the_eager_errors(call, exc, regex):
                  ValueError, r"bias must be 1-D of length N=3", id="addmm-bias"),
     pytest.param(lambda dy, x, acc: dg.weight_grad(dy, x, acc=acc),
                  (rand(M, N), rand(M, K), torch.zeros(N, K, dtype=FP)), TypeError,
-                 r"weight_grad_acc_: acc must be torch\.float32", id="dw-acc-fp16"),
+                 r"weight_grad(_acc_)?: acc must be torch\.float32", id="dw-acc-fp16"),
     pytest.param(lambda x, w: dg.linear(x, w), (rand(), rand(N, K)), ValueError,
-                 r"input must be a tensor of shape", id="linear-0d",
-                 marks=XF("the fake of detgemm::linear indexes x.shape[-1] of a 0-d input: "
-                          "IndexError instead of the eager ValueError")),
+                 r"input must be a tensor of shape", id="linear-0d"),
 ])
 def test_compiled_calls_raise_the_eager_errors(fn, args, exc, regex):
     """Dynamo wraps errors raised by fake implementations in a RuntimeError that carries

@@ -134,8 +134,6 @@ def test_file_without_read_permission(tmp_path, monkeypatch, capsys, entry):
         path.chmod(0o644)
 
 
-@pytest.mark.xfail(strict=True, reason="a file that is not UTF-8 escapes as a bare "
-                   "UnicodeDecodeError that names no file (a traceback from `compile`)")
 @pytest.mark.parametrize("entry", ENTRIES + ("compile",))
 def test_undecodable_file_is_a_config_error(tmp_path, monkeypatch, capsys, entry):
     path = tmp_path / "latin1.yaml"
@@ -208,9 +206,6 @@ def test_audit_names_the_shadowed_user_bucket(tmp_path, monkeypatch, capsys):
     assert out.rstrip().endswith("audit: OK")
 
 
-@pytest.mark.xfail(strict=True, reason="explain lists the chosen bucket itself under "
-                   "'hides' when a higher layer's same-named bucket does not match "
-                   "(same_name = registry.named(name)[1:] assumes the winner is the highest)")
 def test_explain_never_says_the_winner_hides_itself(tmp_path, monkeypatch, capsys):
     a, b = _two_layers(tmp_path, monkeypatch)
     R.add_config(a)
@@ -222,8 +217,6 @@ def test_explain_never_says_the_winner_hides_itself(tmp_path, monkeypatch, capsy
     assert "hides:   mine (a.yaml:3" not in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="YAML merge keys: a key that overrides a merged "
-                   "one is reported as 'given more than once in this bucket'")
 def test_merge_key_override_is_not_a_repeated_key(tmp_path):
     path = _make(tmp_path, "merge.yaml", cfg(bucket("a", m="[1, 8]"))
                  .replace("  - name: a", "  - &base\n    name: a")
