@@ -21,7 +21,6 @@ BF, FP, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 OPS = torch.ops.detgemm
 BIG = 2**31  # one past the supported maximum dimension
 M, K, N = 4, 8, 3
-XF = lambda reason: pytest.mark.xfail(strict=True, reason=reason)  # noqa: E731
 
 
 def rand(*shape, dtype=BF, grad=False):
