@@ -32,7 +32,7 @@ def audit_ptx(ptx: str) -> list[str]:
 def _variants(bucket, which: str):
     """The kernel keys to build for one bucket: per op, the layouts its calls use."""
     if bucket.op == "dw":  # fp32 out, no bias; from +0.0 or continuing a buffer
-        layouts = _LAYOUTS if which == "all" else (("m", "kn", "last"), ("k", "kn", "last"))
+        layouts = _LAYOUTS if which == "all" else (("m", "kn", "last"), ("m", "nk", "last"))
         for dtype in bucket.dtypes:
             for a_major, b_form, b_contig in layouts:
                 for acc in (False, True):

@@ -11,9 +11,8 @@
   ends with a block padded by zeros, so the next micro-batch's blocks start at a different
   offset: the result is still deterministic (same split, same bits), but not the bits of
   the unsplit batch.
-- db is the same reduction over tokens as dW, computed as ones[8, T] @ dY (row 0 is db), so
-  it carries exactly dW's contract (fixed ascending 16-token blocks, fp32, continuing from
-  the buffer); tiles run along N, so wide layers get many CTAs without splitting tokens.
+- db is the same dW GEMM against a column of ones, so it carries exactly dW's contract
+  (fixed ascending 16-token blocks, fp32, continuing from the buffer).
 
 Casting to the parameter dtype (if wanted) is the caller's one rounding, done once.
 """
@@ -29,7 +28,7 @@ from .errors import IN_DTYPES, MAX_DIM, check_devices, check_gemm_args
 from .gemm import gemm
 
 _FP32 = torch.float32
-_ONES_ROWS = 8  # an [8, T] ones operand: the fewest rows whose row stride TMA can take
+_ONES_COLS = 8  # an [8, T] ones operand: the narrowest B whose row stride TMA can take
 _ones: dict = {}
 _ones_lock = threading.Lock()
 
@@ -102,27 +101,26 @@ def check_bias_grad(dy, acc, op, check_device=True) -> torch.Tensor:
 
 def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,
               op: str = "detgemm_cute.bias_grad") -> torch.Tensor:
-    """db = sum over tokens of dY [..., N] -> fp32 [N], as the GEMM ones[8, T] @ dY.
+    """db = sum over tokens of dY [..., N] -> fp32 [N], as the dW GEMM against ones.
 
     With `acc` (fp32 [N]) the sum continues from acc's values, written into acc in place."""
     dy2 = check_bias_grad(dy, acc, op)
     n, t = dy2.shape[1], dy2.shape[0]
     if t == 0:
         return acc if acc is not None else torch.zeros((n,), dtype=_FP32, device=dy.device)
-    # db as the GEMM ones[8, T] @ dY[T, N]: tiles run along N, so N/16 CTAs stream dY.
     ones = _ones_operand(dy2.device, dy2.dtype, t)
-    rows = None
+    cols = None
     if acc is not None:
-        rows = acc.unsqueeze(0).expand(_ONES_ROWS, n).contiguous()
-    rows = gemm(ones, dy2, "kn", None, _FP32, op="dw", acc=rows)
+        cols = acc.unsqueeze(1).expand(n, _ONES_COLS).contiguous()
+    cols = gemm(dy2.t(), ones, "nk", None, _FP32, op="dw", acc=cols)
     if acc is not None:
-        acc.copy_(rows[0])
+        acc.copy_(cols[:, 0])
         return acc
-    return rows[0].clone()
+    return cols[:, 0].contiguous()
 
 
 def _ones_operand(device, dtype, tokens: int) -> torch.Tensor:
-    """An [8, tokens] view of ones (the A operand, K-major) whose row stride is a multiple of 16 bytes, kept per
+    """An [8, tokens] view of ones whose row stride is a multiple of 16 bytes, kept per
     (device, dtype) and grown by doubling, so warm calls allocate nothing."""
     key = (device, dtype)
     buf = _ones.get(key)
@@ -131,7 +129,7 @@ def _ones_operand(device, dtype, tokens: int) -> torch.Tensor:
             buf = _ones.get(key)
             if buf is None or buf.shape[1] < tokens:
                 cap = max(1024, 1 << (tokens - 1).bit_length())
-                buf = torch.ones((_ONES_ROWS, cap), dtype=dtype, device=device)
+                buf = torch.ones((_ONES_COLS, cap), dtype=dtype, device=device)
                 _ones[key] = buf
     return buf[:, :tokens]
 
