@@ -18,21 +18,9 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs an SM90 GPU", allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
+from gpu_helpers import DEV, rand, same_bits  # noqa: E402
 
-DEV = "cuda"
 SEQ = 48
-
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_bits(x, y):
-    return x.shape == y.shape and torch.equal(bits(x.contiguous()), bits(y.contiguous()))
-
-
-def rand(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device=DEV).to(dtype)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,31 @@
+"""Helpers shared by the GPU test modules: bit views, NaN poisoning, random CUDA inputs."""
+
+import torch
+
+DEV = "cuda"
+
+
+def bits(t):
+    """The raw bit pattern of a 16- or 32-bit float tensor as integers."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bits(x, y):
+    """Same shape, dtype and bits (NaN payloads included)."""
+    return (x.shape == y.shape and x.dtype == y.dtype
+            and torch.equal(bits(x.contiguous()), bits(y.contiguous())))
+
+
+def poison():
+    """Leave NaN-filled blocks in the caching allocator for outputs to land in, so an
+    element a kernel never writes shows up as NaN."""
+    blocks = [torch.full((n,), float("nan"), device=DEV) for n in (1 << 16, 1 << 20, 1 << 24)]
+    del blocks
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
