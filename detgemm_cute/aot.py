@@ -107,3 +107,43 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
         f"({len(done)} distinct, {len(buckets)} buckets, variants={variants}, "
         f"{time.time() - t_all:.0f}s)")
     return 0 if failures == 0 else 1
+
+
+def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
+                variants: str = "core") -> list:
+    """The distinct kernel keys that `warmup` builds: buckets of `ops` (default all),
+    dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all)."""
+    reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
+    keys, seen = [], set()
+    for b in reg.buckets:
+        if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):
+            continue
+        for call in _variants(b, variants):
+            if dtypes and call["dtype"] not in dtypes:
+                continue
+            key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
+            if key not in seen:
+                seen.add(key)
+                keys.append((b.name, key))
+    return keys
+
+
+def warmup(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
+           variants: str = "core", aot_dir=None, progress=None) -> int:
+    """Compile (or load from the AOT cache in `aot_dir`) every selected kernel into this
+    process's cache, exporting fresh compiles to `aot_dir`; returns the number of kernels.
+
+    `progress(done, total, label, seconds)` is called after each kernel."""
+    from pathlib import Path
+
+    keys = warmup_keys(arch, ops, dtypes, bucket_names, variants)
+    directory = Path(aot_dir).expanduser() if aot_dir else None
+    for i, (name, key) in enumerate(keys):
+        t0 = time.time()
+        with kcompile._lock:
+            if key not in kcompile._compiled:
+                kcompile._compiled[key] = kcompile._load_or_build(key, directory)
+        if progress is not None:
+            progress(i + 1, len(keys), f"{name} {key.dtype}->{key.out_dtype} A{key.a_major} "
+                     f"B{key.b_form}{' acc' if key.accumulate else ''}", time.time() - t0)
+    return len(keys)

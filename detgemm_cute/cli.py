@@ -121,6 +121,34 @@ def cmd_compile(args, out) -> int:
     return compile_buckets(args.arch, args.bucket or None, out=out, variants=args.variants)
 
 
+def _progress_bar(done: int, total: int, label: str, seconds: float) -> None:
+    width = 30
+    fill = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} "
+                     f"{label[:48]:48s} {seconds:5.1f}s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_warmup(args, out) -> int:
+    import time
+
+    from . import aot
+
+    arch = _registry_arch(args.arch)
+    for p in args.config or []:
+        reg.add_config(p, arch=arch)
+    split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
+    t0 = time.time()
+    n = aot.warmup(args.arch, ops=split(args.ops), dtypes=split(args.dtypes),
+                   bucket_names=args.bucket or None, variants=args.variants,
+                   aot_dir=args.aot_dir, progress=None if args.quiet else _progress_bar)
+    where = f", libraries in {args.aot_dir}" if args.aot_dir else ""
+    out(f"warmup: {n} kernels ready for {args.arch} in {time.time() - t0:.1f}s{where}")
+    return 0
+
+
 def cmd_verify(args, out) -> int:
     import torch
 
@@ -184,6 +212,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="core: one key per bucket and dtype plus bf16 [K,N]->fp32 (default); "
                         "all: every dtype x output x layout x bias combination")
     c.set_defaults(func=cmd_compile)
+
+    w = sub.add_parser("warmup", help="compile chosen buckets now (and export them for "
+                                      "later processes with --aot-dir)")
+    w.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (default sm_90a)")
+    w.add_argument("--ops", help="comma-separated ops (fwd,dx,dw; default all)")
+    w.add_argument("--dtypes", help="comma-separated input dtypes (bf16,fp16; default all)")
+    w.add_argument("--bucket", action="append", metavar="NAME", help="only this bucket")
+    w.add_argument("--variants", choices=("core", "all"), default="core")
+    w.add_argument("--config", action="append", metavar="FILE",
+                   help="user config to add first (repeatable)")
+    w.add_argument("--aot-dir", metavar="DIR",
+                   help="export each kernel as a shared library here (what DETGEMM_CUTE_AOT_DIR "
+                        "points later processes to); cached ones are loaded, not rebuilt")
+    w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.set_defaults(func=cmd_warmup)
 
     d = sub.add_parser("demo", help="show determinism and batch invariance on this GPU")
     d.add_argument("--quick", action="store_true")

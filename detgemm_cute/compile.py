@@ -11,6 +11,8 @@ Caches:
 - on disk: the DSL's own file cache (``CUTE_DSL_CACHE_DIR``, default under /tmp) keeps the
   compiled module keyed by a hash of the traced IR, so a second process skips the backend
   compile but still traces the kernel in Python. ``CUTE_DSL_NO_CACHE=1`` disables it.
+- opt-in AOT libraries (`aot_cache`, ``DETGEMM_CUTE_AOT_DIR``): exported ``.so`` files that a
+  later process loads without tracing or compiling (`detgemm-cute warmup` fills it).
 """
 
 from __future__ import annotations
@@ -99,14 +101,30 @@ def build(key: KernelKey, extra_options: str = ""):
 
 
 def get(key: KernelKey):
-    """The compiled kernel for `key`, compiling on first use (thread-safe: one compile)."""
+    """The compiled kernel for `key`, compiling on first use (thread-safe: one compile).
+
+    With an AOT cache directory (`aot_cache.ENV_VAR`), a library exported by an earlier
+    process is loaded instead of compiling, and a fresh compile is exported for the next."""
     fn = _compiled.get(key)
     if fn is None:
         with _lock:
             fn = _compiled.get(key)
             if fn is None:
-                fn = build(key)
+                fn = _load_or_build(key)
                 _compiled[key] = fn
+    return fn
+
+
+def _load_or_build(key: KernelKey, directory=None):
+    from . import aot_cache
+
+    directory = directory or aot_cache.cache_dir()
+    if directory is None:
+        return build(key)
+    fn = aot_cache.load(key, directory)
+    if fn is None:
+        fn = build(key)
+        aot_cache.store(key, fn, directory)
     return fn
 
 
