@@ -11,8 +11,11 @@ number of rows in the problem: no split-K, no reduction across CTAs, no atomics.
 M, N and K are handled by TMA's out-of-bounds zero fill (loads) and clipping (stores); zeros
 past the end of K contribute exact zero products, which leave the chain unchanged.
 
-Every tile starts its accumulators at +0.0 and accumulates every 16-wide block onto them
-(the same chain `dW += dY^T X` continues from a stored value), in both kernels below:
+Every tile starts its accumulators at +0.0 -- or, with ``accumulate`` (dW += dY^T X), at the
+fp32 values already in C, loaded by each thread for its own fragment -- and accumulates
+every 16-wide block onto them. The fp32 value a previous call stored is exactly the
+accumulator it held, so continuing from it is the same chain as never having stopped (at a
+16-wide block boundary). This holds in both kernels below:
 `Sm90Gemm` (one CTA per tile, TMA issued by warp 0 between WGMMA batches) and
 `Sm90GemmPersistent` (warp-specialized: a producer warpgroup streams TMA loads while one or
 two consumer warpgroups run WGMMA and the epilogue, over a static persistent tile schedule).
@@ -308,7 +311,7 @@ class Sm90Gemm(_Sm90Base):
     """One CTA per output tile; warp 0 issues TMA loads between WGMMA batches.
 
     Mainloop order: k tiles 0, 1, 2, ... of the CTA's tile, each as ascending 16-wide WGMMA
-    steps onto fp32 accumulators that start at +0.0. Best for small grids (thin tiles,
+    steps onto fp32 accumulators that start at +0.0 (or at C's fp32 values, `accumulate`). Best for small grids (thin tiles,
     small M), where there is no second tile per CTA to overlap with.
     """
 
@@ -407,7 +410,8 @@ class Sm90GemmPersistent(_Sm90Base):
     The producer's warp 0 walks the CTA's tiles (static schedule: tile t, t + grid, ...) and
     for each streams k tiles 0, 1, 2, ... into the stage ring. Consumers take the stages in
     the same order, so each tile's chain is again ascending 16-wide WGMMA steps onto fp32
-    accumulators reset to +0.0 at the start of the tile; then bias, one rounding, TMA store.
+    accumulators reset to +0.0 (or loaded from C, `accumulate`) at the start of the tile; then
+    bias, one rounding, TMA store.
     """
 
     producer_warpgroups = 1
@@ -520,6 +524,6 @@ def kernel_class(persistent: bool):
 
 def mainloop_order() -> str:
     """Human-readable statement of the accumulation order, used by `explain`."""
-    return ("K ascending in 16-wide WGMMA steps onto fp32 accumulators that start at +0.0, "
-            "one CTA per output tile at a time, no split-K; bias added in fp32, then one "
-            "rounding to the output dtype")
+    return ("K ascending in 16-wide WGMMA steps onto fp32 accumulators that start at +0.0 "
+            "(dW: at the buffer's fp32 values), one CTA per output tile at a time, no split-K; "
+            "bias added in fp32, then one rounding to the output dtype")
