@@ -1,7 +1,9 @@
 """Ahead-of-time compilation of every bucket, with an audit of the generated PTX.
 
-Runs on a CPU-only machine (`--gpu-arch sm_90a`): CI uses it to prove that every bucket the
-tables declare builds, that the kernels use WGMMA and TMA bulk copies, and that no atomic or
+Runs on a CPU-only machine (`--gpu-arch sm_90a` for the SM90 family, `sm_80` -- or `sm_86`,
+`sm_90`, ... -- for the SM80 family): CI uses it to prove that every bucket the tables
+declare builds, that the kernels use the instructions of their family (WGMMA and TMA bulk
+copies on SM90; mma.sync m16n8k16, cp.async and ldmatrix on SM80), and that no atomic or
 reduction instruction (the usual way a GEMM becomes order-dependent) is in the code.
 """
 
@@ -15,16 +17,24 @@ from . import compile as kcompile
 from . import registry
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
-_REQUIRED = ("wgmma.mma_async", "cp.async.bulk.tensor")
+# Per kernel family: (what the audit reports missing, pattern that must occur in the PTX).
+_REQUIRED = {
+    "sm90": (("wgmma.mma_async", r"wgmma\.mma_async"),
+             ("cp.async.bulk.tensor", r"cp\.async\.bulk\.tensor")),
+    "sm80": (("mma.sync.aligned.m16n8k16", r"mma\.sync\.aligned\.m16n8k16"),
+             ("cp.async (non-bulk)", r"cp\.async\.c[ag]\.shared\.global"),
+             ("ldmatrix", r"ldmatrix\.sync\.aligned")),
+}
 
 # "core": one key per bucket and dtype plus an fp32-output, [K, N]-weight variant;
 # "all": every dtype x output x layout x bias combination the op layer can ask for.
 _LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m", "nk", "last"))
 
 
-def audit_ptx(ptx: str) -> list[str]:
-    """Problems with one kernel's PTX (empty when it passes)."""
-    problems = [f"missing {r}" for r in _REQUIRED if r not in ptx]
+def audit_ptx(ptx: str, family: str = "sm90") -> list[str]:
+    """Problems with one kernel's PTX (empty when it passes); `family` is the registry arch
+    of the kernel ("sm90" or "sm80"), which decides the instructions that must be there."""
+    problems = [f"missing {name}" for name, pat in _REQUIRED[family] if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
     return problems
 
@@ -58,7 +68,8 @@ def _variants(bucket, which: str):
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
-    """Compile (and audit) every bucket of `arch` ('sm_90a'); 0 when all pass.
+    """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
+    'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
 
     `variants`: "core" (per bucket and dtype the layout its op uses: fwd with bias, dx with
     a [K, N] weight, dw to fp32 from zero and continuing a buffer; plus bf16 -> fp32 for
@@ -67,7 +78,12 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
-    reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
+    try:
+        family = kcompile.family_of(arch)
+    except ValueError as e:
+        out(f"compile: {e}")
+        return 1
+    reg = registry.get_registry(family)
     buckets = list(reg.buckets)
     if bucket_names:
         known = {b.name for b in buckets}
@@ -96,7 +112,7 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                     continue
                 try:
                     fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-                    problems = audit_ptx(fn.__ptx__ or "")
+                    problems = audit_ptx(fn.__ptx__ or "", family)
                 except Exception as e:  # report every bucket, not just the first failure
                     problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
                 done[key] = (b.name, problems)
@@ -113,7 +129,7 @@ def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
                 variants: str = "core") -> list:
     """The distinct kernel keys that `warmup` builds: buckets of `ops` (default all),
     dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all)."""
-    reg = registry.get_registry(arch.lower().replace("_", "").rstrip("a"))
+    reg = registry.get_registry(kcompile.family_of(arch))
     keys, seen = [], set()
     for b in reg.buckets:
         if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):

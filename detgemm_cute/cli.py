@@ -107,13 +107,19 @@ def cmd_explain(args, out) -> int:
 
 
 def _registry_arch(gpu_arch: str) -> str:
-    """'sm_90a' / 'sm90a' / 'sm90' -> 'sm90'."""
-    a = gpu_arch.lower().replace("_", "")
-    return a[:-1] if a.endswith("a") else a
+    """The kernel family a --gpu-arch builds: 'sm_90a' -> 'sm90'; 'sm_80', 'sm_86', 'sm_90'
+    (no 'a': the SM80 family built for an H100) -> 'sm80'."""
+    from .compile import family_of
+
+    return family_of(gpu_arch)
 
 
 def cmd_compile(args, out) -> int:
-    arch = _registry_arch(args.arch)
+    try:
+        arch = _registry_arch(args.arch)
+    except ValueError as e:
+        _err(str(e))
+        return 1
     for p in args.config or []:
         reg.add_config(p, arch=arch)
     from .aot import compile_buckets
@@ -136,7 +142,11 @@ def cmd_warmup(args, out) -> int:
 
     from . import aot
 
-    arch = _registry_arch(args.arch)
+    try:
+        arch = _registry_arch(args.arch)
+    except ValueError as e:
+        _err(str(e))
+        return 1
     for p in args.config or []:
         reg.add_config(p, arch=arch)
     split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
@@ -203,7 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_explain)
 
     c = sub.add_parser("compile", help="compile every bucket's kernels ahead of time (no GPU)")
-    c.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (default sm_90a)")
+    c.add_argument("--arch", default="sm_90a",
+                   help="GPU arch to compile for (default sm_90a: the SM90 TMA + WGMMA "
+                        "family; sm_80, sm_86, sm_90, ...: the SM80 cp.async + mma.sync family)")
     c.add_argument("--bucket", action="append", metavar="NAME",
                    help="only this bucket (repeatable; default: all)")
     c.add_argument("--config", action="append", metavar="FILE",
@@ -215,7 +227,9 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("warmup", help="compile chosen buckets now (and export them for "
                                       "later processes with --aot-dir)")
-    w.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (default sm_90a)")
+    w.add_argument("--arch", default="sm_90a",
+                   help="GPU arch to compile for (default sm_90a: SM90 family; sm_80, sm_86, "
+                        "sm_90, ...: SM80 family)")
     w.add_argument("--ops", help="comma-separated ops (fwd,dx,dw; default all)")
     w.add_argument("--dtypes", help="comma-separated input dtypes (bf16,fp16; default all)")
     w.add_argument("--bucket", action="append", metavar="NAME", help="only this bucket")

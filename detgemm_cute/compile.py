@@ -2,8 +2,9 @@
 
 A kernel is compiled once per `KernelKey` (the bucket's tile/cluster/stages plus the dtypes
 and operand layouts of the call) with symbolic M, N, K, so one compiled object serves every
-problem size of its bucket. Compilation needs no GPU (`--gpu-arch sm_90a`), which is how CI
-proves that every bucket builds.
+problem size of its bucket. Compilation needs no GPU (`--gpu-arch sm_90a` for the SM90
+family, `sm_80` -- or the GPU's own, e.g. `sm_90` -- for the SM80 family; `key.arch` picks
+the kernel module), which is how CI proves that every bucket builds.
 
 Caches:
 - in-process: a dict from `KernelKey` to the compiled callable (the op layer keeps its own
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 DTYPES = ("bf16", "fp16")
 OUT_DTYPES = ("bf16", "fp16", "fp32")
-_ALIGN_BYTES = 16  # TMA: base address and every non-unit stride 16-byte aligned
+_ALIGN_BYTES = 16  # TMA / cp.async: base address and every non-unit stride 16-byte aligned
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,43 @@ def _make_fakes(key: KernelKey):
     return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def family_of(gpu_arch: str) -> str:
+    """The kernel family (registry arch) a ``--gpu-arch`` string builds: "sm_90a" -> "sm90"
+    (TMA + WGMMA, which need the arch-specific target); every other target, e.g. "sm_80",
+    "sm_86", "sm_89" and plain "sm_90" -> "sm80" (cp.async + mma.sync: runs on any GPU from
+    sm_80 up, so an H100 runs it when it is built for "sm_90")."""
+    name = gpu_arch.strip().lower().replace("_", "")
+    if name == "sm90a":
+        return "sm90"
+    digits = name[2:].rstrip("af")
+    if name.startswith("sm") and digits.isdigit() and int(digits) >= 80:
+        return "sm80"
+    raise ValueError(f"unknown GPU arch {gpu_arch!r}; expected e.g. sm_90a or sm_80")
+
+
+def gpu_arch_for(family: str, capability: tuple[int, int]) -> str:
+    """The ``--gpu-arch`` to build `family`'s kernels for a GPU of this compute capability:
+    sm90 -> "sm_90a" (WGMMA and TMA need the arch-specific target); sm80 -> "sm_80" on any
+    8.x GPU (one binary for A100, A10, L4, ...), else the GPU's own, e.g. "sm_90" on H100."""
+    major, minor = capability
+    if family == "sm90":
+        return "sm_90a"
+    if family == "sm80":
+        return "sm_80" if major == 8 else f"sm_{major}{minor}"
+    raise ValueError(f"unknown kernel family {family!r}; known: sm90, sm80")
+
+
+def kernel_module(gpu_arch: str):
+    """The kernel module for a ``--gpu-arch`` string (see `family_of`)."""
+    if family_of(gpu_arch) == "sm90":
+        from .kernels import sm90
+
+        return sm90
+    from .kernels import sm80
+
+    return sm80
+
+
 def build(key: KernelKey, extra_options: str = ""):
     """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias, max_clusters)``.
 
@@ -89,9 +127,7 @@ def build(key: KernelKey, extra_options: str = ""):
 
     import cutlass
 
-    from .kernels.sm90 import kernel_class
-
-    gemm = kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
+    gemm = kernel_module(key.arch).kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
                                         b_is_kn=key.b_form == "kn", has_bias=key.has_bias,
                                         accumulate=key.accumulate)
     a, b, c, bias, stream = _make_fakes(key)

@@ -1,0 +1,83 @@
+"""What the SM80 (cp.async + ldmatrix + mma.sync) kernel can be built with.
+
+Pure Python on purpose, like `sm90_limits`: the registry checks every bucket of an sm80
+table against these rules when the YAML file is loaded, before anything is compiled.
+
+Shared memory holds `stages` copies of the A and B tiles and nothing else (the epilogue
+stores from registers), so the bound is plain arithmetic. 166912 bytes (163 KiB) is what one
+block may use on an A100; an H100 running this family allows more, but the tables must fit
+the smallest GPU of the family.
+"""
+
+from __future__ import annotations
+
+TILE_M = (64, 128)
+TILE_N = (16, 32, 64, 128, 256)
+TILE_K = (32, 64)
+STAGES = (2, 8)  # inclusive
+SMEM_BYTES = 166912  # 163 KiB usable per block on sm_80 (A100)
+IN_BYTES = 2  # bf16 / fp16 operands
+SMEM_ALIGN = 1024  # each operand's buffer starts on this boundary
+
+
+def warp_layout(tile_m: int, tile_n: int) -> tuple[int, int]:
+    """Warps along (M, N). Each warp owns a (tile_m / wm) x (tile_n / wn) block of C and
+    walks it in 16x8 mma.sync steps; N per warp is a multiple of 16 so B fragments load
+    with one four-matrix ldmatrix."""
+    if tile_n == 16:
+        return 4, 1
+    if tile_n >= 256:
+        return 2, 4
+    return 2, 2
+
+
+def threads(tile_m: int, tile_n: int) -> int:
+    wm, wn = warp_layout(tile_m, tile_n)
+    return 32 * wm * wn
+
+
+def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
+    """Shared memory the kernel allocates: `stages` A tiles and B tiles, each buffer aligned."""
+    bm, bn, bk = tile
+
+    def aligned(n: int) -> int:
+        return -(-n // SMEM_ALIGN) * SMEM_ALIGN
+
+    return aligned(stages * bm * bk * IN_BYTES) + aligned(stages * bn * bk * IN_BYTES)
+
+
+def max_stages(tile: tuple[int, int, int]) -> int:
+    lo, hi = STAGES
+    s = hi
+    while s >= lo and smem_bytes(tile, s) > SMEM_BYTES:
+        s -= 1
+    return s
+
+
+def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
+    """Return a list of (field, message) problems; empty when the kernel can be built."""
+    problems: list[tuple[str, str]] = []
+    bm, bn, bk = tile
+    if bm not in TILE_M:
+        problems.append(("tile", f"tile M must be one of {TILE_M}, got {bm}"))
+    if bn not in TILE_N:
+        problems.append(("tile", f"tile N must be one of {TILE_N}, got {bn}"))
+    if bk not in TILE_K:
+        problems.append(("tile", f"tile K must be one of {TILE_K}, got {bk}"))
+    if tuple(cluster) != (1, 1):
+        problems.append(("cluster", f"the sm80 kernel has no thread block clusters: cluster "
+                                    f"must be [1, 1], got {list(cluster)}"))
+    lo, hi = STAGES
+    if not (lo <= stages <= hi):
+        problems.append(("stages", f"stages must be in [{lo}, {hi}], got {stages}"))
+    elif not problems and smem_bytes(tile, stages) > SMEM_BYTES:
+        problems.append(
+            ("stages", f"{stages} stages of tile {list(tile)} need {smem_bytes(tile, stages)} "
+                       f"bytes of shared memory, more than {SMEM_BYTES}; at most "
+                       f"{max_stages(tile)} stages fit"))
+    if persistent is True:
+        problems.append(("persistent", "the sm80 kernel has no persistent variant: "
+                                       "persistent must be false"))
+    elif persistent is not False:
+        problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
+    return problems
