@@ -44,6 +44,8 @@ REPO_ROOT = os.path.dirname(HERE)
 
 SUITE_MS = (1, 16, 64, 128, 512, 2048, 8192, 16384)
 SUITE_KN = ((768, 3072), (3072, 768), (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192))
+DECODE_MS = (1, 8, 16, 32, 64)
+DECODE_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (8192, 8192))
 QUICK_MS = (1, 128, 2048)
 QUICK_KN = ((4096, 4096), (14336, 4096))
 PROBE_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -67,7 +69,7 @@ PED_TOL = 1e-2        # PEDANTIC vs torch.mm
 MAIN_COLUMNS = (
     "M", "K", "N", "bucket",
     "detgemm us", "cuBLAS us", "PEDANTIC us",
-    "detgemm TFLOP/s", "cuBLAS TFLOP/s", "PEDANTIC TFLOP/s",
+    "detgemm TFLOP/s", "cuBLAS TFLOP/s", "PEDANTIC TFLOP/s", "detgemm TB/s", "cuBLAS TB/s",
     "det/cuBLAS", "det/PEDANTIC", "det err", "same bits", "notes",
 )
 
@@ -100,9 +102,13 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
-def suite_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
-    """(M, K, N) rows of the suite, grouped by (K, N), M ascending."""
-    ms, kns = (QUICK_MS, QUICK_KN) if quick else (SUITE_MS, SUITE_KN)
+def suite_shapes(quick: bool = False, suite: str = "core") -> list[tuple[int, int, int]]:
+    """(M, K, N) rows of the suite, grouped by (K, N), M ascending. `decode`: the
+    memory-bound small-M rows (M <= 64 on LLM-sized weights)."""
+    if suite == "decode":
+        ms, kns = DECODE_MS, DECODE_KN
+    else:
+        ms, kns = (QUICK_MS, QUICK_KN) if quick else (SUITE_MS, SUITE_KN)
     return [(m, k, n) for (k, n) in kns for m in ms]
 
 
@@ -113,6 +119,13 @@ def distinct_kn(shapes) -> list[tuple[int, int]]:
             seen.add((k, n))
             out.append((k, n))
     return out
+
+
+def tbytes_per_s(nbytes, us) -> float | None:
+    """Achieved DRAM traffic (X, W read once, Y written once) in TB/s."""
+    if not nbytes or not us:
+        return None
+    return nbytes / (us * 1e-6) / 1e12
 
 
 def gemm_flops(m: int, n: int, k: int) -> int:
@@ -145,7 +158,9 @@ def geomean(values) -> float | None:
 
 SUMMARY_GROUPS = (
     ("M>=512", lambda m: m >= 512),
+    ("128<=M<=1024", lambda m: 128 <= m <= 1024),
     ("M<=128", lambda m: m <= 128),
+    ("M<=64", lambda m: m <= 64),
     ("all", lambda m: True),
 )
 
@@ -263,6 +278,8 @@ def render_main_table(rows) -> str:
             r["M"], r["K"], r["N"], _short(r.get("bucket") or "?", 40),
             fmt_us(d.get("us")), fmt_us(c.get("us")), fmt_us(p.get("us")),
             fmt_num(d.get("tflops")), fmt_num(c.get("tflops")), fmt_num(p.get("tflops")),
+            fmt_num(tbytes_per_s(r.get("set_bytes"), d.get("us")), "{:.2f}"),
+            fmt_num(tbytes_per_s(r.get("set_bytes"), c.get("us")), "{:.2f}"),
             fmt_num(r.get("ratio_cublas"), "{:.2f}"), fmt_num(r.get("ratio_pedantic"), "{:.2f}"),
             det_err, same_bits_cell(r), _short("; ".join(row_notes(r)), 90),
         ]
@@ -272,16 +289,17 @@ def render_main_table(rows) -> str:
 
 def render_summary(summary) -> str:
     lines = [
-        "| detgemm speed / peer speed | rows | geomean | min | max |",
-        "|---|---|---:|---:|---:|",
+        "| detgemm speed / peer speed | rows | geomean | min | max | time ratio (geomean) |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for peer in ("cublas", "pedantic"):
         for label, _pred in SUMMARY_GROUPS:
             s = (summary.get(peer) or {}).get(label) or {}
+            g = s.get("geomean")
             lines.append(
                 f"| vs {PEER_LABELS[peer]} | {label} ({s.get('n', 0)} of {s.get('rows', 0)}) | "
-                f"{fmt_num(s.get('geomean'), '{:.3f}')} | {fmt_num(s.get('min'), '{:.2f}')} | "
-                f"{fmt_num(s.get('max'), '{:.2f}')} |")
+                f"{fmt_num(g, '{:.3f}')} | {fmt_num(s.get('min'), '{:.2f}')} | "
+                f"{fmt_num(s.get('max'), '{:.2f}')} | {fmt_num(1 / g if g else None, '{:.3f}')}x |")
     return "\n".join(lines)
 
 
@@ -467,6 +485,9 @@ def parse_args(argv=None):
                     "invariance, host overhead. Needs an SM90 GPU.")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: M in {QUICK_MS} x (K,N) in {QUICK_KN}")
+    p.add_argument("--suite", choices=("core", "decode"), default="core",
+                   help="core: M 1..16384 on six (K, N); decode: M in "
+                        f"{DECODE_MS} x (K, N) in {DECODE_KN} (results file gets a _decode suffix)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"),
                    help="output directory (default: bench/results of this checkout)")
@@ -488,7 +509,7 @@ def parse_args(argv=None):
     if args.shapes:
         args.shape_list = [parse_shape(s) for s in args.shapes]
     else:
-        args.shape_list = suite_shapes(args.quick)
+        args.shape_list = suite_shapes(args.quick, args.suite)
     if args.reps is None:
         args.reps = 7 if args.quick else 20
     return args
@@ -1317,7 +1338,8 @@ def main(argv=None) -> int:
 
     slug = device_slug(meta["device"])
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"gemm_{slug}")
+    suffix = "_decode" if args.suite == "decode" and not args.shapes else ""
+    base = os.path.join(args.out, f"gemm_{slug}{suffix}")
     with open(base + ".md", "w") as f:
         f.write(md)
     with open(base + ".json", "w") as f:

@@ -13,7 +13,7 @@ import torch
 from . import grads as _grads
 from . import ops as _ops
 from .gemm import checked_gemm as _checked_gemm
-from .gemm import force_bucket
+from .gemm import force_bucket, use_family
 
 __version__ = "0.1.0"
 
@@ -21,8 +21,12 @@ _compiling = torch.compiler.is_compiling
 
 
 def _needs_graph(*ts) -> bool:
-    return _compiling() or (torch.is_grad_enabled() and any(
-        getattr(t, "requires_grad", False) for t in ts))
+    """Go through the custom op (autograd, tracing) rather than the direct eager path."""
+    if torch.is_grad_enabled():
+        for t in ts:
+            if getattr(t, "requires_grad", False):
+                return True
+    return _compiling()
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None):
@@ -48,6 +52,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """Like ``F.linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` -> ``[..., N]``."""
     if _needs_graph(x, weight, bias):
         return torch.ops.detgemm.linear(x, weight, bias, out_dtype)
+    if isinstance(x, torch.Tensor) and x.dim() > 2 and isinstance(weight, torch.Tensor):
+        # [..., K] as [rows, K] (a view where the strides allow), through the same fast path
+        y = _checked_gemm(_grads._flat(x), weight, "nk", bias, out_dtype,
+                          "detgemm_cute.linear", ("input", "weight", "bias"))
+        return y.view(*x.shape[:-1], y.shape[-1])
     if not (isinstance(x, torch.Tensor) and x.dim() == 2):
         return _ops._linear(x, weight, bias, out_dtype, "detgemm_cute.linear")
     return _checked_gemm(x, weight, "nk", bias, out_dtype, "detgemm_cute.linear",
@@ -102,4 +111,4 @@ from .mode import batch_invariant_mode, disable, enable, report, reset_report  #
 
 __all__ = ["mm", "addmm", "linear", "input_grad", "weight_grad", "bias_grad", "nn",
            "batch_invariant_mode", "enable", "disable", "report", "reset_report",
-           "force_bucket", "__version__"]
+           "force_bucket", "use_family", "__version__"]

@@ -13,6 +13,7 @@ import re
 import tempfile
 import time
 
+from . import aot_cache
 from . import compile as kcompile
 from . import registry
 
@@ -162,4 +163,5 @@ def warmup(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
         if progress is not None:
             progress(i + 1, len(keys), f"{name} {key.dtype}->{key.out_dtype} A{key.a_major} "
                      f"B{key.b_form}{' acc' if key.accumulate else ''}", time.time() - t0)
+    aot_cache.flush()  # the libraries are on disk when warmup returns
     return len(keys)

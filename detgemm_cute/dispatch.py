@@ -75,8 +75,26 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def arch_for_capability(major: int, minor: int) -> str:
-    """The kernel family for a CUDA compute capability, or a RuntimeError saying why none."""
+FAMILY_ENV = "DETGEMM_CUTE_FAMILY"
+FAMILIES = ("sm90", "sm80")
+
+
+def arch_for_capability(major: int, minor: int, family: str | None = None) -> str:
+    """The kernel family for a CUDA compute capability, or a RuntimeError saying why none.
+
+    Default: sm90 (TMA + WGMMA) on 9.0, sm80 (cp.async + mma.sync) on 8.x. `family` forces
+    one: "sm80" runs on any GPU from 8.0 up (how it is tested on an H100); "sm90" needs 9.0."""
+    if family is not None:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown kernel family {family!r} (from {FAMILY_ENV} or "
+                             f"use_family); known: {', '.join(FAMILIES)}")
+        if major < 8:
+            raise RuntimeError(f"detgemm_cute needs an SM80+ GPU (compute capability 8.0 or "
+                               f"newer); this GPU is {major}.{minor}")
+        if family == "sm90" and (major, minor) != (9, 0):
+            raise RuntimeError(f"the sm90 kernel family (WGMMA, sm_90a-only) cannot run on "
+                               f"compute capability {major}.{minor}; use sm80")
+        return family
     if (major, minor) == (9, 0):
         return "sm90"
     if major == 8:
@@ -84,9 +102,10 @@ def arch_for_capability(major: int, minor: int) -> str:
     if major < 8:
         raise RuntimeError(f"detgemm_cute needs an SM80+ GPU (compute capability 8.0 or newer); "
                            f"this GPU is {major}.{minor}")
-    raise RuntimeError(f"detgemm_cute has no kernels for compute capability {major}.{minor} "
-                       f"(sm_{major}{minor}): only sm90 kernels exist, and their WGMMA "
-                       f"instructions are sm_90a-only (H100/H200)")
+    raise RuntimeError(f"detgemm_cute has no tuned kernel family for compute capability "
+                       f"{major}.{minor} (sm_{major}{minor}): the sm90 family's WGMMA is "
+                       f"sm_90a-only; set {FAMILY_ENV}=sm80 to run the SM80 (mma.sync) family, "
+                       f"which any GPU from sm_80 up can run")
 
 
 @dataclass(frozen=True)
@@ -167,6 +186,6 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, *,
                        same_name=named[below:])
 
 
-__all__ = ["lookup", "explain", "Explanation", "dtype_name", "arch_for_capability",
+__all__ = ["lookup", "explain", "Explanation", "dtype_name", "arch_for_capability", "FAMILIES",
            "bucket_by_name", "generation", "Bucket", "ConfigError", "NoBucketError",
            "ArchNotAvailable"]

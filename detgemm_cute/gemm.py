@@ -17,6 +17,7 @@ written into a padded buffer and copied out.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -31,7 +32,14 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 _plans: dict = {}  # cleared whenever the registry's user layers change
 _arch_of_device: dict = {}
-_forced = threading.local()
+
+
+class _Forced(threading.local):
+    name = None  # class defaults: reading them in the hot path raises nothing
+    family = os.environ.get(dispatch.FAMILY_ENV) or None
+
+
+_forced = _Forced()
 
 
 @contextlib.contextmanager
@@ -40,7 +48,7 @@ def force_bucket(name: str | None):
 
     Tiles do not change bits, so tests use this to prove every bucket gives the same
     result on the same problem."""
-    prev = getattr(_forced, "name", None)
+    prev = _forced.name
     _forced.name = name
     try:
         yield
@@ -48,14 +56,37 @@ def force_bucket(name: str | None):
         _forced.name = prev
 
 
+@contextlib.contextmanager
+def use_family(name: str | None):
+    """Run every GEMM in this thread on kernel family `name` ("sm90" | "sm80"; None: the
+    GPU's default). Default for all threads: the ``DETGEMM_CUTE_FAMILY`` environment
+    variable. The SM80 family (cp.async + mma.sync) runs on any GPU from sm_80 up, which is
+    how it is tested on an H100; each family keeps the contract on its own."""
+    if name is not None and name not in dispatch.FAMILIES:
+        raise ValueError(f"use_family: unknown kernel family {name!r}; known: "
+                         f"{', '.join(dispatch.FAMILIES)} or None")
+    prev = _forced.family
+    _forced.family = name
+    try:
+        yield
+    finally:
+        _forced.family = prev
+
+
 def arch_of(device: torch.device) -> str:
+    """The kernel family (registry arch) that serves `device` in this thread."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _arch_of_device.get(idx)
+    family = _forced.family
+    arch = _arch_of_device.get((idx, family))
     if arch is None:
         major, minor = torch.cuda.get_device_capability(idx)
-        arch = dispatch.arch_for_capability(major, minor)
-        _arch_of_device[idx] = arch
+        arch = dispatch.arch_for_capability(major, minor, family)
+        _arch_of_device[(idx, family)] = arch
     return arch
+
+
+def _gpu_arch(arch: str, device: torch.device) -> str:
+    return kcompile.gpu_arch_for(arch, torch.cuda.get_device_capability(device))
 
 
 def _unit_dim(t: torch.Tensor) -> str | None:
@@ -86,21 +117,26 @@ def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
 class _Plan:
     """What a call with this key needs: the kernel, which operands to stage, the padded
     output width (0 when none), whether the bias needs a unit-stride copy, whether an
-    accumulator must go through a TMA-aligned copy, the grid cap."""
+    accumulator must go through a TMA-aligned copy, the grid cap. `fast`: none of those
+    apply, so a warm call is allocate + launch (`out_shape`, `out_dtype`, `device`)."""
 
     __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "bias_copy", "acc_copy",
-                 "max_clusters")
+                 "max_clusters", "fast", "out_shape", "out_dtype", "device", "dev_index")
 
-    def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, acc_copy, max_clusters):
+    def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, acc_copy, max_clusters,
+                 out_shape=None, out_dtype=None, device=None, accumulate=False):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.pad_cols, self.bias_copy, self.max_clusters = pad_cols, bias_copy, max_clusters
         self.acc_copy = acc_copy
+        self.fast = not (stage_a or stage_b or pad_cols or bias_copy or accumulate)
+        self.out_shape, self.out_dtype, self.device = out_shape, out_dtype, device
+        self.dev_index = None if device is None else device.index
 
 
 def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k):
     arch = arch_of(a.device)
     dtype = _NAMES[a.dtype]
-    forced = getattr(_forced, "name", None)
+    forced = _forced.name
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
               else dispatch.lookup(op, dtype, arch, m, n, k))
     a_unit, b_contig = _unit_dim(a), _unit_dim(b)
@@ -114,24 +150,25 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k):
     pad_cols = -(-n // el) * el if n % el else 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
-        b_contig=b_contig, has_bias=bias is not None, arch="sm_90a",
+        b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
         accumulate=acc is not None)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
     bias_copy = bias is not None and bias.stride(0) != 1
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
-                 max_clusters)
+                 max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None)
 
 
 def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None):
-    """Everything the plan and the input checks depend on, so a hit needs neither again."""
-    return (op, a.shape, b.shape, a.dtype, b.dtype, out_dtype, b_form, a.stride(), b.stride(),
-            a.data_ptr() % _ALIGN == 0, b.data_ptr() % _ALIGN == 0, a.device, b.device,
+    """Everything the plan and the input checks depend on, so a hit needs neither again.
+    (Built on every call: attribute reads only, in one tuple.)"""
+    return (op, b_form, out_dtype, a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype,
+            a.device, b.device, not a.data_ptr() & 15, not b.data_ptr() & 15,
             None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()),
             None if acc is None else (acc.shape, acc.dtype, acc.device, acc.stride(),
-                                      acc.data_ptr() % _ALIGN == 0),
-            getattr(_forced, "name", None))
+                                      not acc.data_ptr() & 15),
+            _forced.name, _forced.family)
 
 
 def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k):
@@ -215,7 +252,8 @@ def _on_cpu(a, b, b_form, bias, out_dtype, acc=None):
 
 def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names, op="fwd"):
     """Validate (clear Python errors before any launch), then run. A call whose key (shapes,
-    dtypes, strides, devices, alignment) already has a plan passed these checks before."""
+    dtypes, strides, devices, alignment) already has a plan passed these checks before; if
+    that plan needs no staging, the call is one allocation and the launch."""
     try:
         key = _key(a, b, b_form, bias, out_dtype, op)
         plan = _plans.get(key)
@@ -223,10 +261,14 @@ def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names, op="fwd"):
         key = plan = None
     if plan is None:
         check_gemm_args(a, b, b_form, bias, out_dtype, op_name, names)
+    elif plan.fast and plan.dev_index == _current_device():
+        c = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+        plan.fn(a, b, c, bias, plan.max_clusters)
+        return c
     return gemm(a, b, b_form, bias, out_dtype, key, plan, op)
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 registry.on_change(_plans.clear)
 
-__all__ = ["gemm", "checked_gemm", "force_bucket", "arch_of", "_MAX_DIM"]
+__all__ = ["gemm", "checked_gemm", "force_bucket", "use_family", "arch_of", "_MAX_DIM"]

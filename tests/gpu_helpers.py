@@ -1,8 +1,32 @@
-"""Helpers shared by the GPU test modules: bit views, NaN poisoning, random CUDA inputs."""
+"""Helpers shared by the GPU test modules: bit views, NaN poisoning, random CUDA inputs,
+and the kernel-family fixture.
 
+`family` parametrizes a module over the kernel families (default both: "sm90" and "sm80";
+``DETGEMM_TEST_FAMILIES=sm80`` narrows it) and runs each test inside ``use_family``, so the
+same invariance suite proves the contract for each family on this GPU."""
+
+import os
+
+import pytest
 import torch
 
 DEV = "cuda"
+FAMILIES = [f for f in os.environ.get("DETGEMM_TEST_FAMILIES", "sm90,sm80").split(",") if f]
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    import detgemm_cute as dg
+
+    with dg.use_family(request.param):
+        yield request.param
+
+
+def current_family() -> str:
+    """The family the library runs on in this thread (what `family` set)."""
+    from detgemm_cute import gemm
+
+    return gemm.arch_of(torch.device(DEV))
 
 
 def bits(t):

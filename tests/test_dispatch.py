@@ -69,15 +69,15 @@ def test_warm_lookup_is_a_dict_hit(monkeypatch):
 
 def test_memo_is_cleared_when_configs_change():
     g0 = D.generation()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_narrow_n"
     R.add_config(FIXTURES / "user_small_m.yaml")
     assert D.generation() != g0
     assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "my_decode"
-    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode"  # bf16-only bucket
+    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode_narrow_n"  # bf16-only bucket
     user = D.lookup("fwd", "fp16", "sm90", 32, 64, 64)
     assert user.name == "fwd_small_m" and user.layer == 1 and user.tile == (64, 128, 64)
     R.reset_user_configs()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_narrow_n"
     assert D.lookup("fwd", "fp16", "sm90", 32, 64, 64).layer == 0
 
 
@@ -89,25 +89,27 @@ def test_last_added_layer_wins_and_explain_shows_shadowing(tmp_path):
     ex = D.explain("fwd", "bf16", "sm90", 55, 8, 8)
     assert (ex.bucket.name, ex.layer, ex.line) == ("second", 2, 3)
     assert ex.source == tmp_path / "two.yaml"
-    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_small_m", 0)]
+    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_decode_narrow_n", 0)]
     text = str(ex)
     assert "second (" in text and "two.yaml:3" in text and "layer 2 = user 2" in text
-    assert "shadows: first" in text and "shadows: fwd_small_m" in text
+    assert "shadows: first" in text and "shadows: fwd_decode_narrow_n" in text
 
 
 def test_same_name_shadowing_is_explained():
     R.add_config(FIXTURES / "user_small_m.yaml")
     assert D.bucket_by_name("sm90", "fwd_small_m").layer == 1
     ex = D.explain("fwd", "bf16", "sm90", 20, 8, 8)
-    assert ex.bucket.layer == 1 and ex.shadowed[0].name == "fwd_small_m"
-    assert ex.shadowed[0].layer == 0 and ex.same_name == ex.shadowed
+    assert ex.bucket.layer == 1 and ex.shadowed[0].name == "fwd_decode_narrow_n"
+    assert ex.shadowed[0].layer == 0
+    assert [(b.name, b.layer) for b in ex.same_name] == [("fwd_small_m", 0)]
+    assert "hides:   fwd_small_m (" in str(ex)
     assert "user_small_m.yaml" in str(ex) and "sm90.yaml" in str(ex)
 
 
 def test_explain_reason_and_text():
     ex = D.explain("fwd", torch.bfloat16, "sm90", 100, 4096, 4096)
     assert ex.bucket.name == "fwd_small_m" and ex.dtype == "bf16"
-    assert ex.reason == "M=100 in [17, 128], N=4096 in [1, 8192], K any"
+    assert ex.reason == "M=100 in [65, 128], N=4096 in [1, 8192], K any"
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
@@ -154,8 +156,9 @@ def test_bad_arguments():
         D.lookup("fwd", "fp32", "sm90", 1, 8, 8)
     with pytest.raises(R.NoBucketError, match="named 'nope'"):
         D.bucket_by_name("sm90", "nope")
-    with pytest.raises(RuntimeError, match="SM80.*not available yet"):
-        D.lookup("fwd", "bf16", "sm80", 1, 8, 8)
+    with pytest.raises(ValueError, match="unknown arch 'sm70'"):
+        D.lookup("fwd", "bf16", "sm70", 1, 8, 8)
+    assert D.lookup("fwd", "bf16", "sm80", 1, 8, 8).op == "fwd"  # the SM80 table exists
 
 
 def test_dtype_name():
@@ -176,14 +179,42 @@ def test_arch_for_capability():
         with pytest.raises(RuntimeError, match="needs an SM80\\+ GPU"):
             D.arch_for_capability(*cap)
     for cap in [(10, 0), (12, 0), (11, 0)]:
-        with pytest.raises(RuntimeError, match="only sm90 kernels exist.*sm_90a-only"):
+        with pytest.raises(RuntimeError, match="sm_90a-only; set DETGEMM_CUTE_FAMILY=sm80"):
             D.arch_for_capability(*cap)
+        assert D.arch_for_capability(*cap, family="sm80") == "sm80"
+
+
+def test_forced_family():
+    assert D.arch_for_capability(9, 0, "sm80") == "sm80"  # SM80 family on an H100
+    assert D.arch_for_capability(9, 0, "sm90") == "sm90"
+    with pytest.raises(RuntimeError, match="sm90 kernel family .* cannot run on compute "
+                                           "capability 8.0; use sm80"):
+        D.arch_for_capability(8, 0, "sm90")
+    with pytest.raises(RuntimeError, match="needs an SM80\\+ GPU"):
+        D.arch_for_capability(7, 5, "sm80")
+    with pytest.raises(ValueError, match="unknown kernel family 'sm70'.*DETGEMM_CUTE_FAMILY"):
+        D.arch_for_capability(9, 0, "sm70")
+
+
+def test_use_family_validates_and_restores():
+    import detgemm_cute as dg
+    from detgemm_cute import gemm as G
+
+    with pytest.raises(ValueError, match="use_family: unknown kernel family 'sm75'"):
+        with dg.use_family("sm75"):
+            pass
+    before = G._forced.family
+    with dg.use_family("sm80"):
+        assert G._forced.family == "sm80"
+        with dg.use_family(None):
+            assert G._forced.family is None
+    assert G._forced.family == before
 
 
 def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
-    R.add_config(_write(tmp_path, "u.yaml", "fwd_decode", "[2000, 3000]"))
+    R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_narrow_n", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
     assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_large_short_k"]
     assert [b.layer for b in ex.same_name] == [0]
-    assert "hides:   fwd_decode (" in str(ex) and "same name" in str(ex)
+    assert "hides:   fwd_decode_narrow_n (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served

@@ -7,18 +7,19 @@ kernel never writes shows up as NaN."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an SM90 GPU", allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
+from gpu_helpers import current_family, family  # noqa: E402,F401
 from detgemm_cute import dispatch, registry  # noqa: E402
 
 DEV = "cuda"
 M_LIST = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1024, 4096]
 # (N, K) pairs that reach every built-in bucket's N/K conditions.
-NK_LIST = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536)]
+NK_LIST = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -45,7 +46,7 @@ def rel_err(y, ref):
 
 
 def all_buckets():
-    return [b for b in registry.get_registry("sm90").buckets if b.op == "fwd"]
+    return [b for b in registry.get_registry(current_family()).buckets if b.op == "fwd"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -88,9 +89,17 @@ def test_batch_invariance_across_all_m(n, k):
     for m in M_LIST:
         poison()
         part = dg.linear(x[:m], w)
-        seen.add(dispatch.lookup("fwd", "bf16", "sm90", m, n, k).name)
+        seen.add(dispatch.lookup("fwd", "bf16", current_family(), m, n, k).name)
         assert same_bits(part, full[:m]), f"rows differ at M={m} (N={n}, K={k})"
     assert len(seen) >= 3
+
+
+def test_invariance_sweep_reaches_every_fwd_bucket():
+    """The (M, N, K) points above (M = 8192 is the reference) pass through every bucket."""
+    fam = current_family()
+    seen = {dispatch.lookup("fwd", "bf16", fam, m, n, k).name
+            for m in M_LIST + [8192] for n, k in NK_LIST}
+    assert seen == {b.name for b in all_buckets()}
 
 
 def test_every_bucket_gives_identical_bits():

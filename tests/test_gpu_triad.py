@@ -8,20 +8,20 @@ allocator blocks so unwritten elements show."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an SM90 GPU", allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from gpu_helpers import DEV, poison, rand, rel_err, same_bits  # noqa: E402
+from gpu_helpers import DEV, current_family, family, poison, rand, rel_err, same_bits  # noqa: E402,F401
 from detgemm_cute import reference, registry  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def buckets(op):
-    return [b for b in registry.get_registry("sm90").buckets if b.op == op]
+    return [b for b in registry.get_registry(current_family()).buckets if b.op == op]
 
 
 # ----------------------------------------------------------------------------- values
