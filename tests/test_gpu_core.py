@@ -17,7 +17,7 @@ from gpu_helpers import current_family, family  # noqa: E402,F401
 from detgemm_cute import dispatch, registry  # noqa: E402
 
 DEV = "cuda"
-M_LIST = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1024, 4096]
+M_LIST = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512, 1000, 1024, 4096]
 # (N, K) pairs that reach every built-in bucket's N/K conditions.
 NK_LIST = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
