@@ -27,7 +27,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
     pytest.skip("needs an SM80+ GPU", allow_module_level=True)
 
 from detgemm_cute import compile as kcompile  # noqa: E402
-from detgemm_cute import reference  # noqa: E402
+from detgemm_cute import reference, registry  # noqa: E402
 
 DEV = "cuda"
 CAP = torch.cuda.get_device_capability()
@@ -41,8 +41,11 @@ SHAPES = [(1, 4096, 4096), (100, 520, 776), (257, 1001, 7), (1000, 3072, 768), (
 LAYOUTS = [(a, bf, bc) for a in ("k", "m") for bf in ("nk", "kn") for bc in ("last", "first")]
 TILE80 = ((128, 128, 32), 4)
 TILE90 = ((128, 128, 64), 4)
+# Every tile shape the kernel supports (3 stages), then the built-in table's (tile, stages).
 ALL_TILES80 = [((bm, bn, bk), 3) for bm in (64, 128) for bn in (16, 32, 64, 128, 256)
                for bk in (32, 64)]
+ALL_TILES80 += sorted({(b.tile, b.stages) for b in registry.get_registry("sm80").buckets}
+                      - set(ALL_TILES80))
 
 _fns: dict = {}
 
@@ -199,7 +202,8 @@ def operands_from(a_val, b_val, a_major, b_form, b_contig):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_tile_gives_the_same_bits(dtype):
-    """Tiles trade speed only: every supported tile shape, same bits (and SM90's)."""
+    """Tiles trade speed only: every supported tile shape and every (tile, stages) of the
+    built-in table give the same bits (and SM90's)."""
     layout = ("k", "nk", "last")
     cases = [(m, n, k) for m, n, k in [(1, 4096, 4096), (100, 520, 776), (257, 1001, 7),
                                        (129, 300, 70)]]

@@ -8,7 +8,12 @@ Mainloop order (the contract): one CTA per output tile; it walks K from 0 upward
 tiles, and inside a tile issues one ``mma.sync.m16n8k16`` per accumulator fragment for each
 16-wide K block, in ascending K order. So every output element is the same ascending chain
 of 16-wide blocks ``acc = blk(acc, k0..k0+15)`` as on SM90, whatever the tile shape, stage
-count or number of rows: no split-K, no reduction across CTAs or warps, no atomics.
+count or number of rows: no split-K, no reduction across CTAs or warps, no atomics. The
+register double-buffering (block kb+1 is loaded while kb multiplies) and the grouped order
+in which CTAs pick their tiles change only when data arrives, never the order of the adds.
+On an H100 (this family built for ``sm_90``) the bits equal the SM90 WGMMA kernel's and the
+CPU model of the chain (`reference`) for every tile, operand layout and epilogue tried
+(tests/test_gpu_sm80.py); on an A100 that is still to be measured.
 
 Tails: K tiles are loaded in ascending order from k = 0, and elements past the end of K (of
 M, of N) are zero-filled in shared memory. The last K tile is therefore the only partial
@@ -28,8 +33,6 @@ accumulator, then each value rounded once (round-to-nearest-even) to the output 
 stored from registers; stores past M or N are masked.
 """
 
-from __future__ import annotations
-
 import math
 from typing import Optional
 
@@ -41,6 +44,7 @@ from . import sm80_limits
 
 _VEC = 8  # 16-bit elements per 16-byte cp.async
 _MMA_SHAPE = (16, 8, 16)
+_GROUP_M = 8  # M-tiles per rasterization group
 
 
 class Sm80Gemm:
@@ -166,10 +170,12 @@ class Sm80Gemm:
                     if cute.elem_less(crd[_VEC - 1], bound):
                         cute.copy(tiled_copy, src, dst)
                     else:
-                        for e in cutlass.range_constexpr(_VEC):
-                            dst[e] = dst.element_type(0)
-                            if cute.elem_less(crd[e], bound):
-                                dst[e] = src[e]
+                        dst.fill(0)
+                        if cute.elem_less(crd[0], bound):  # straddles the end of K or M/N
+                            for e in cutlass.range_constexpr(1, _VEC):
+                                if cute.elem_less(crd[e], bound):
+                                    dst[e] = src[e]
+                            dst[0] = src[0]
 
     @cute.jit
     def _init_acc(self, acc, tCgC, tCcC, mC):
@@ -209,7 +215,9 @@ class Sm80Gemm:
                s2r_atom_a: cute.CopyAtom, s2r_atom_b: cute.CopyAtom,
                tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
-        tile_m, tile_n, _ = cute.arch.block_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        tiles_m, tiles_n, _ = cute.arch.grid_dim()
+        tile_m, tile_n = self._raster(bidx, bidy, tiles_m, tiles_n)
         bm, bn, bk = self.tile_shape_mnk
         m_total = cute.size(mC, mode=[0])
         n_total = cute.size(mC, mode=[1])
@@ -268,35 +276,60 @@ class Sm80Gemm:
                                     s, s, rows_a_full, rows_b_full, k_a, k_b)
             cute.arch.cp_async_commit_group()
 
-        # Mainloop: k tiles in ascending order. Waiting leaves stages-2 groups in flight, so
-        # tile kt has landed; the barrier also means every warp has finished reading the
-        # stage of tile kt-1, which is the one refilled (with tile kt+stages-1) next.
+        # Mainloop: k tiles in ascending order, k blocks in ascending order inside a tile.
+        # Fragments are double-buffered in registers: block kb+1 is read from shared memory
+        # while block kb multiplies, and the last block of a tile reads block 0 of the next
+        # tile. Before that read, waiting until at most stages-2 copy groups are in flight
+        # means the next tile has landed, and the barrier means every warp is done reading
+        # the stage of the current tile's predecessor -- which is refilled (with tile
+        # kt+stages-1) at block 0 of the next tile.
+        cute.arch.cp_async_wait_group(self.stages - 2)
+        cute.arch.sync_threads()
+        self._load_fragments(s2r_a, tCsA_v, tCrA_v, s2r_b, tCsB_v, tCrB_v, 0, 0)
         for kt in cutlass.range(k_tiles, unroll=1):
-            cute.arch.cp_async_wait_group(self.stages - 2)
-            cute.arch.sync_threads()
-            nxt = kt + self.stages - 1
-            if nxt < k_tiles:
-                self._load_operands(copy_a, tAgA, tAsA, tAcA, copy_b, tBgB, tBsB, tBcB,
-                                    tidx, a_threads, b_threads, mA.shape, mB.shape,
-                                    nxt, nxt % self.stages, rows_a_full, rows_b_full,
-                                    k_a, k_b)
-            cute.arch.cp_async_commit_group()
-
             stage = kt % self.stages
-            cute.copy(s2r_a, tCsA_v[(None, None, 0, stage)], tCrA_v[(None, None, 0)])
-            cute.copy(s2r_b, tCsB_v[(None, None, 0, stage)], tCrB_v[(None, None, 0)])
             for kb in cutlass.range_constexpr(k_blocks):
-                if cutlass.const_expr(kb + 1 < k_blocks):  # next block's fragments first
-                    cute.copy(s2r_a, tCsA_v[(None, None, kb + 1, stage)],
-                              tCrA_v[(None, None, kb + 1)])
-                    cute.copy(s2r_b, tCsB_v[(None, None, kb + 1, stage)],
-                              tCrB_v[(None, None, kb + 1)])
+                if cutlass.const_expr(kb == k_blocks - 1):
+                    cute.arch.cp_async_wait_group(self.stages - 2)
+                    cute.arch.sync_threads()
+                    self._load_fragments(s2r_a, tCsA_v, tCrA_v, s2r_b, tCsB_v, tCrB_v,
+                                         (kt + 1) % self.stages, 0)
+                else:
+                    self._load_fragments(s2r_a, tCsA_v, tCrA_v, s2r_b, tCsB_v, tCrB_v,
+                                         stage, kb + 1)
+                if cutlass.const_expr(kb == 0):
+                    nxt = kt + self.stages - 1
+                    if nxt < k_tiles:
+                        self._load_operands(copy_a, tAgA, tAsA, tAcA, copy_b, tBgB, tBsB,
+                                            tBcB, tidx, a_threads, b_threads, mA.shape,
+                                            mB.shape, nxt, nxt % self.stages, rows_a_full,
+                                            rows_b_full, k_a, k_b)
+                    cute.arch.cp_async_commit_group()
                 # One m16n8k16 per accumulator fragment: the 16-wide block kt*BK + 16*kb.
                 cute.gemm(tiled_mma, acc, tCrA[(None, None, kb)], tCrB[(None, None, kb)], acc)
         cute.arch.cp_async_wait_group(0)
 
         interior = rows_a_full and (tile_n + 1) * bn <= n_total
         self._epilogue(acc, tCgC, tCcC, mC, mBias, interior)
+
+    @cute.jit
+    def _raster(self, bidx, bidy, tiles_m, tiles_n):
+        """The output tile of this CTA: CTAs go in groups of `_GROUP_M` M-tiles, walking
+        all N-tiles inside a group, so CTAs running together share A and B tiles in L2.
+        Only which tile a CTA runs changes; no tile's arithmetic does."""
+        linear = bidx + bidy * tiles_m
+        per_group = _GROUP_M * tiles_n
+        group = linear // per_group
+        first_m = group * _GROUP_M
+        rows = cutlass.min(tiles_m - first_m, _GROUP_M)
+        r = linear - group * per_group
+        return first_m + r % rows, r // rows
+
+    @cute.jit
+    def _load_fragments(self, s2r_a, tCsA_v, tCrA_v, s2r_b, tCsB_v, tCrB_v, stage, kb):
+        """ldmatrix k block `kb` of shared-memory stage `stage` into its fragment registers."""
+        cute.copy(s2r_a, tCsA_v[(None, None, kb, stage)], tCrA_v[(None, None, kb)])
+        cute.copy(s2r_b, tCsB_v[(None, None, kb, stage)], tCrB_v[(None, None, kb)])
 
     @cute.jit
     def _load_operands(self, copy_a, tAgA, tAsA, tAcA, copy_b, tBgB, tBsB, tBcB, tidx,
