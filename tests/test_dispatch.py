@@ -109,7 +109,7 @@ def test_same_name_shadowing_is_explained():
 def test_explain_reason_and_text():
     ex = D.explain("fwd", torch.bfloat16, "sm90", 100, 4096, 4096)
     assert ex.bucket.name == "fwd_small_m" and ex.dtype == "bf16"
-    assert ex.reason == "M=100 in [65, 128], N=4096 in [1, 8192], K any"
+    assert ex.reason == "M=100 in [65, 128], N=4096 in [1, 4096], K any"
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
