@@ -1,7 +1,8 @@
 """Helpers shared by the GPU test modules: bit views, NaN poisoning, random CUDA inputs,
 and the kernel-family fixture.
 
-`family` parametrizes a module over the kernel families (default both: "sm90" and "sm80";
+`family` parametrizes a module over the kernel families this GPU runs (an H100: "sm90"
+and "sm80"; an 8.x GPU: "sm80";
 ``DETGEMM_TEST_FAMILIES=sm80`` narrows it) and runs each test inside ``use_family``, so the
 same invariance suite proves the contract for each family on this GPU."""
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 
 DEV = "cuda"
-FAMILIES = [f for f in os.environ.get("DETGEMM_TEST_FAMILIES", "sm90,sm80").split(",") if f]
+_DEFAULT_FAMILIES = ("sm90,sm80" if torch.cuda.is_available()
+                     and torch.cuda.get_device_capability() == (9, 0) else "sm80")
+FAMILIES = [f for f in os.environ.get("DETGEMM_TEST_FAMILIES", _DEFAULT_FAMILIES).split(",")
+            if f]
 
 
 @pytest.fixture(params=FAMILIES)
