@@ -12,7 +12,7 @@ Caches:
 - on disk: the DSL's own file cache (``CUTE_DSL_CACHE_DIR``, default under /tmp) keeps the
   compiled module keyed by a hash of the traced IR, so a second process skips the backend
   compile but still traces the kernel in Python. ``CUTE_DSL_NO_CACHE=1`` disables it.
-- opt-in AOT libraries (`aot_cache`, ``DETGEMM_CUTE_AOT_DIR``): exported ``.so`` files that a
+- AOT libraries (`aot_cache`, on by default; ``DETGEMM_CUTE_AOT_DIR``): exported ``.so`` files that a
   later process loads without tracing or compiling (`detgemm-cute warmup` fills it).
 """
 

@@ -133,7 +133,7 @@ def limits_for(arch: str):
     except ModuleNotFoundError as e:
         raise ArchNotAvailable(
             f"the {FAMILY_NAMES[arch]} kernel family is not available yet (no "
-            f"detgemm_cute.{LIMITS_MODULES[arch]}); only sm90 kernels exist") from e
+            f"detgemm_cute.{LIMITS_MODULES[arch]}); the installation is incomplete") from e
 
 
 # ---------------------------------------------------------------------------------------
@@ -535,7 +535,7 @@ def load_builtin(arch: str) -> ConfigFile:
     if not path.is_file():
         raise ArchNotAvailable(
             f"the {FAMILY_NAMES.get(arch, arch)} kernel family is not available yet: no "
-            f"built-in table {show_path(path)}; only sm90 kernels exist")
+            f"built-in table {show_path(path)}; the installation is incomplete")
     return load_config(path, complete=True, arch=arch, origin="built-in")
 
 

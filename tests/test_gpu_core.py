@@ -14,7 +14,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
                 allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from gpu_helpers import current_family, family  # noqa: E402,F401
+from gpu_helpers import bits, current_family, family, poison, same_bits  # noqa: E402,F401
 from detgemm_cute import dispatch, registry  # noqa: E402
 
 DEV = "cuda"
@@ -22,20 +22,6 @@ M_LIST = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512,
 # (N, K) pairs that reach every built-in bucket's N/K conditions.
 NK_LIST = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_bits(x, y):
-    return x.shape == y.shape and torch.equal(bits(x.contiguous()), bits(y.contiguous()))
-
-
-def poison():
-    """Leave NaN-filled blocks in the caching allocator for outputs to land in."""
-    blocks = [torch.full((n,), float("nan"), device=DEV) for n in (1 << 16, 1 << 20, 1 << 24)]
-    del blocks
 
 
 def rand(*shape, dtype=torch.bfloat16, g=None):

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
     pytest.skip("needs an SM80+ GPU", allow_module_level=True)
 
+from gpu_helpers import bits, poison, same_bits  # noqa: E402,F401
 from detgemm_cute import compile as kcompile  # noqa: E402
 from detgemm_cute import reference, registry  # noqa: E402
 
@@ -62,20 +63,6 @@ def kernel(family, tile, stages, dtype, out_dtype, a_major, b_form, b_contig, bi
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_bits(x, y):
-    return x.shape == y.shape and torch.equal(bits(x.contiguous()), bits(y.contiguous()))
-
-
-def poison():
-    """Leave NaN-filled blocks in the caching allocator for outputs to land in."""
-    blocks = [torch.full((n,), float("nan"), device=DEV) for n in (1 << 16, 1 << 20, 1 << 24)]
-    del blocks
-
 
 def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -11,6 +11,8 @@ the smallest GPU of the family.
 
 from __future__ import annotations
 
+from . import limits_common
+
 TILE_M = (64, 128)
 TILE_N = (16, 32, 64, 128, 256)
 TILE_K = (32, 64)
@@ -47,34 +49,16 @@ def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
 
 
 def max_stages(tile: tuple[int, int, int]) -> int:
-    lo, hi = STAGES
-    s = hi
-    while s >= lo and smem_bytes(tile, s) > SMEM_BYTES:
-        s -= 1
-    return s
+    return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
 def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
-    problems: list[tuple[str, str]] = []
-    bm, bn, bk = tile
-    if bm not in TILE_M:
-        problems.append(("tile", f"tile M must be one of {TILE_M}, got {bm}"))
-    if bn not in TILE_N:
-        problems.append(("tile", f"tile N must be one of {TILE_N}, got {bn}"))
-    if bk not in TILE_K:
-        problems.append(("tile", f"tile K must be one of {TILE_K}, got {bk}"))
+    problems = limits_common.tile_and_stage_problems(
+        tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
     if tuple(cluster) != (1, 1):
         problems.append(("cluster", f"the sm80 kernel has no thread block clusters: cluster "
                                     f"must be [1, 1], got {list(cluster)}"))
-    lo, hi = STAGES
-    if not (lo <= stages <= hi):
-        problems.append(("stages", f"stages must be in [{lo}, {hi}], got {stages}"))
-    elif not problems and smem_bytes(tile, stages) > SMEM_BYTES:
-        problems.append(
-            ("stages", f"{stages} stages of tile {list(tile)} need {smem_bytes(tile, stages)} "
-                       f"bytes of shared memory, more than {SMEM_BYTES}; at most "
-                       f"{max_stages(tile)} stages fit"))
     if persistent is True:
         problems.append(("persistent", "the sm80 kernel has no persistent variant: "
                                        "persistent must be false"))

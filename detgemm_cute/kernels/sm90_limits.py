@@ -7,6 +7,8 @@ file and bucket that declared it instead of failing at first use.
 
 from __future__ import annotations
 
+from . import limits_common
+
 TILE_M = (64, 128)
 TILE_N = (16, 32, 64, 128, 192, 256)
 TILE_K = (64, 128)
@@ -48,36 +50,18 @@ def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
 
 
 def max_stages(tile: tuple[int, int, int]) -> int:
-    lo, hi = STAGES
-    s = hi
-    while s >= lo and smem_bytes(tile, s) > SMEM_BYTES:
-        s -= 1
-    return s
+    return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
 def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
-    problems: list[tuple[str, str]] = []
-    bm, bn, bk = tile
-    if bm not in TILE_M:
-        problems.append(("tile", f"tile M must be one of {TILE_M}, got {bm}"))
-    if bn not in TILE_N:
-        problems.append(("tile", f"tile N must be one of {TILE_N}, got {bn}"))
-    if bk not in TILE_K:
-        problems.append(("tile", f"tile K must be one of {TILE_K}, got {bk}"))
+    problems = limits_common.tile_and_stage_problems(
+        tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
     cm, cn = cluster
     if cm not in CLUSTER_DIMS or cn not in CLUSTER_DIMS or cm * cn > MAX_CLUSTER_SIZE:
         problems.append(
             ("cluster", f"cluster must be [m, n] with each in {CLUSTER_DIMS} and m*n <= "
                         f"{MAX_CLUSTER_SIZE}, got {[cm, cn]}"))
-    lo, hi = STAGES
-    if not (lo <= stages <= hi):
-        problems.append(("stages", f"stages must be in [{lo}, {hi}], got {stages}"))
-    elif not problems and smem_bytes(tile, stages) > SMEM_BYTES:
-        problems.append(
-            ("stages", f"{stages} stages of tile {list(tile)} need {smem_bytes(tile, stages)} "
-                       f"bytes of shared memory, more than {SMEM_BYTES}; at most "
-                       f"{max_stages(tile)} stages fit"))
     if persistent not in (False, True):
         problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
     return problems
