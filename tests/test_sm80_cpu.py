@@ -1,5 +1,5 @@
-"""The SM80 family (cp.async + ldmatrix + mma.sync) without a GPU: every built-in bucket
-cross-compiles for sm_80 and passes the PTX audit, the gpu-arch -> family mapping, and the
+"""The SM80 family (cp.async + ldmatrix + mma.sync) without a GPU: every layout and epilogue
+compiles (the per-bucket audit is in test_compile_cpu), the gpu-arch -> family mapping, and the
 limits that refuse a bad sm80 bucket (naming file, line, bucket and field)."""
 
 from __future__ import annotations
@@ -14,16 +14,6 @@ from detgemm_cute.kernels import sm80, sm80_limits
 GOOD_SM80 = ("cp.async.cg.shared.global [%r1], [%rd2], 16, 16;\n"
              "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];\n"
              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f1};")
-
-
-def test_every_sm80_bucket_compiles_and_passes_the_ptx_audit():
-    lines = []
-    assert aot.compile_buckets("sm_80", variants="core", out=lines.append) == 0, "\n".join(lines)
-    text = "\n".join(lines)
-    for b in R.get_registry("sm80").buckets:
-        assert b.name in text  # fwd, dx and dw buckets alike
-    assert "FAIL" not in text
-    assert "built and audited for sm_80" in lines[-1] and "variants=core" in lines[-1]
 
 
 def test_every_layout_and_epilogue_compiles_for_one_tile(tmp_path):

@@ -41,6 +41,7 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 
 from . import sm80_limits
+from .operands import b_as_nk
 
 _VEC = 8  # 16-bit elements per 16-byte cp.async
 _MMA_SHAPE = (16, 8, 16)
@@ -74,10 +75,7 @@ class Sm80Gemm:
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
                  mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
         # max_clusters only sizes SM90's persistent grid; one CTA per tile needs no cap.
-        # B as (N, K) whatever its memory order; a [K, N] tensor is a mode swap, no copy.
-        mB = mB_in
-        if cutlass.const_expr(self.b_is_kn):
-            mB = cute.make_tensor(mB_in.iterator, cute.select(mB_in.layout, mode=[1, 0]))
+        mB = b_as_nk(mB_in, self.b_is_kn)
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type

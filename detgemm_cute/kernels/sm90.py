@@ -38,6 +38,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from . import sm90_limits
+from .operands import b_as_nk
 
 _WG = 128  # threads per warpgroup
 
@@ -73,10 +74,7 @@ class _Sm90Base:
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
                  mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
-        # B as (N, K) whatever its memory order; a [K, N] tensor is a mode swap, no copy.
-        mB = mB_in
-        if cutlass.const_expr(self.b_is_kn):
-            mB = cute.make_tensor(mB_in.iterator, cute.select(mB_in.layout, mode=[1, 0]))
+        mB = b_as_nk(mB_in, self.b_is_kn)
 
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
