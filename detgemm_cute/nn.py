@@ -27,6 +27,11 @@ class Linear(torch.nn.Linear):
     """`torch.nn.Linear` with deterministic, batch-invariant GEMMs (same parameters, same
     `state_dict`). Inputs and parameters must be bf16 or fp16 (the same dtype)."""
 
+    # Set by `detgemm_cute.distributed` (fp32_grad_accum only): a callable taking (dY, X)
+    # that takes over this layer's dW / db work from backward; its ``owner`` is flushed by
+    # `finalize_grads` and checked by `zero_main_grads`.
+    dw_deferral = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, fp32_grad_accum: bool = False):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
@@ -50,7 +55,7 @@ class Linear(torch.nn.Linear):
         if self.fp32_grad_accum and torch.is_grad_enabled() and _any_grad(self):
             for p in self._grad_params():
                 _main_grad(p)
-            return _LinearMainGrad.apply(x, self.weight, self.bias)
+            return _LinearMainGrad.apply(x, self.weight, self.bias, self.dw_deferral)
         return _linear(x, self.weight, self.bias)
 
     def _grad_params(self) -> Iterator[torch.nn.Parameter]:
@@ -80,8 +85,8 @@ class _LinearMainGrad(torch.autograd.Function):
     continued chain per micro-batch) and returns no gradient for the parameters."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.params = (weight, bias)
+    def forward(ctx, x, weight, bias, defer=None):
+        ctx.params, ctx.defer = (weight, bias), defer
         ctx.save_for_backward(x if weight.requires_grad else None,
                               weight if ctx.needs_input_grad[0] else None)
         return torch.ops.detgemm.linear(x, weight, bias, None)
@@ -94,11 +99,14 @@ class _LinearMainGrad(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
+        if ctx.defer is not None:
+            ctx.defer(g, x)  # dW and db later, in a rank-ordered chain
+            return gx, None, None, None
         if weight.requires_grad:
             torch.ops.detgemm.weight_grad_acc_(weight.main_grad, g, x)
         if bias is not None and bias.requires_grad:
             torch.ops.detgemm.bias_grad_acc_(bias.main_grad, g)
-        return gx, None, None
+        return gx, None, None, None
 
 
 def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
@@ -130,9 +138,22 @@ def _accum_params(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
             yield from m._grad_params()
 
 
+def _deferral_owners(model: torch.nn.Module) -> list:
+    """The data-parallel engines that defer dW work for Linears of `model`, each once."""
+    owners = {}
+    for m in model.modules():
+        d = m.dw_deferral if isinstance(m, Linear) else None
+        if d is not None:
+            owners.setdefault(id(d.owner), d.owner)
+    return list(owners.values())
+
+
 def finalize_grads(model: torch.nn.Module) -> None:
     """Set ``p.grad = p.main_grad.to(p.dtype)`` (the one rounding) for every parameter that
-    accumulates in fp32; parameters whose buffer was never written are left unchanged."""
+    accumulates in fp32; parameters whose buffer was never written are left unchanged.
+    Deferred dW work of a data-parallel wrapper (`detgemm_cute.distributed`) runs first."""
+    for owner in _deferral_owners(model):
+        owner.finalize()
     for p in _accum_params(model):
         buf = getattr(p, "main_grad", None)
         if buf is not None:
@@ -141,6 +162,8 @@ def finalize_grads(model: torch.nn.Module) -> None:
 
 def zero_main_grads(model: torch.nn.Module) -> None:
     """Zero every fp32 accumulation buffer (call it with ``optimizer.zero_grad()``)."""
+    for owner in _deferral_owners(model):
+        owner.before_zero()
     for p in _accum_params(model):
         buf = getattr(p, "main_grad", None)
         if buf is not None:

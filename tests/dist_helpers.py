@@ -1,0 +1,221 @@
+"""Multi-process helpers for the data-parallel tests: `run_world` starts one process per rank
+(spawned, `torch.distributed` over a file store, gloo on CPU or NCCL on GPUs), runs a worker
+function defined here on every rank and returns each rank's result. A rank that fails sends
+back its traceback; processes still alive after the timeout are killed and the test fails,
+so a hang never outlives its test.
+
+The workers train small models of detgemm Linears on a global batch that every rank builds
+from the same seed; rank r takes its slice of it (see `rank_chunks`)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOKENS = 16  # tokens per chunk; global batches are lists of chunks
+
+
+def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240.0,
+              pg_timeout: float = 60.0) -> list:
+    """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results."""
+    tmp = tempfile.mkdtemp(prefix="detgemm_dist_")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world, tmp, args, backend, pg_timeout),
+                         daemon=True) for rank in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        errors = []
+        for r in range(world):
+            err = os.path.join(tmp, f"rank{r}.err")
+            if os.path.exists(err):
+                with open(err) as f:
+                    errors.append(f"--- rank {r}:\n{f.read()}")
+        if hung or errors:
+            head = f"ranks {hung} still running after {timeout:.0f} s\n" if hung else ""
+            raise AssertionError(head + "\n".join(errors))
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if p.exitcode != 0 or not os.path.exists(path):
+                raise AssertionError(f"rank {r} exited with code {p.exitcode} and no result")
+            results.append(torch.load(path, weights_only=False))
+        return results
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the test
+        with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- models
+class Mlp(torch.nn.Module):
+    """Linears and element-wise ops only: every token's forward and dY are its own."""
+
+    def __init__(self, d: int = 32, h: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(d, h)
+        self.mid = torch.nn.Linear(h, h, bias=False)
+        self.down = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x))
+        h = h + torch.nn.functional.silu(self.mid(h))
+        return x + self.down(h)
+
+
+class NormModel(torch.nn.Module):
+    """Embedding, LayerNorm and RMSNorm around detgemm Linears: their gradients are summed in
+    rank order, deterministic but not world-size invariant."""
+
+    def __init__(self, vocab: int = 64, d: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, 2 * d)
+        self.rms = torch.nn.RMSNorm(2 * d)
+        self.head = torch.nn.Linear(2 * d, vocab)
+
+    def forward(self, ids):
+        h = torch.nn.functional.gelu(self.fc(self.ln(self.emb(ids))))
+        return self.head(self.rms(h))
+
+
+def build(kind: str, seed: int, device="cpu", dtype=torch.bfloat16, **kw):
+    import detgemm_cute as dg
+
+    torch.manual_seed(seed)
+    model = (Mlp(**kw) if kind == "mlp" else NormModel(**kw)).to(device=device, dtype=dtype)
+    return dg.nn.convert(model, fp32_grad_accum=True)
+
+
+def global_batch(kind: str, seed: int, step: int, chunks: int, device="cpu",
+                 dtype=torch.bfloat16, d: int = 32, vocab: int = 64):
+    """The step's global batch: `chunks` chunks of 16 tokens, (inputs, targets) each."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    n = chunks * TOKENS
+    if kind == "mlp":
+        x = torch.randn(n, d, generator=g).to(dtype)
+        y = torch.randn(n, d, generator=g).to(dtype)
+    else:
+        x = torch.randint(0, vocab, (n,), generator=g)
+        y = torch.randint(0, vocab, (n,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def loss_sum(kind: str, out, y):
+    """Sum over tokens of each token's own loss (the caller divides by the global count)."""
+    if kind == "mlp":
+        return (out.float() - y.float()).square().sum()
+    return torch.nn.functional.cross_entropy(out.float(), y, reduction="sum")
+
+
+def rank_chunks(rank: int, world: int, chunks: int, micro: int, order: str) -> list[list[int]]:
+    """The chunk indices of each of this rank's micro-batches.
+
+    "rank_major": rank r holds the consecutive chunks r*C/R .. (r+1)*C/R - 1, split in
+    `micro` consecutive micro-batches (finalize flushes once per step).
+    "interleaved": rank r's micro-batch j is global micro-batch j*R + r (flush after every
+    micro-batch)."""
+    per_rank = chunks // world
+    per_micro = per_rank // micro
+    assert per_rank * world == chunks and per_micro * micro == per_rank
+    if order == "rank_major":
+        base = rank * per_rank
+        return [list(range(base + j * per_micro, base + (j + 1) * per_micro))
+                for j in range(micro)]
+    return [list(range((j * world + rank) * per_micro, (j * world + rank + 1) * per_micro))
+            for j in range(micro)]
+
+
+def _rows(chunk_ids, device):
+    return torch.cat([torch.arange(c * TOKENS, (c + 1) * TOKENS) for c in chunk_ids]).to(device)
+
+
+def train(rank, world, cfg, wrap=True):
+    """AdamW steps with gradient accumulation; returns weights, this rank's last-step main
+    grads and flush stats (and, for the norm model, a check of the rank-order sum)."""
+    import detgemm_cute as dg
+    from detgemm_cute.distributed import InvariantDataParallel
+
+    device = cfg.get("device", "cpu")
+    dtype = cfg.get("dtype", torch.bfloat16)
+    kind, seed, chunks = cfg["kind"], cfg["seed"], cfg["chunks"]
+    model = build(kind, seed, device, dtype)
+    net = (InvariantDataParallel(model, pipeline_bytes=cfg.get("pipeline_bytes", 4 << 20))
+           if wrap else model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    total = chunks * TOKENS
+    out = {"stats": [], "sum_order_ok": []}
+    for step in range(cfg["steps"]):
+        x, y = global_batch(kind, seed, step, chunks, device, dtype)
+        dg.nn.zero_main_grads(net)
+        opt.zero_grad()
+        for ids in rank_chunks(rank, world, chunks, cfg["micro"], cfg["order"]):
+            rows = _rows(ids, device)
+            (loss_sum(kind, net(x[rows]), y[rows]) / total).backward()
+            if cfg["order"] == "interleaved" and wrap:
+                net.flush()
+        others = {}
+        if wrap and kind == "norm":
+            others = {n: _gather(p.grad, world) for n, p in model.named_parameters()
+                      if n in net.other_parameter_names()}
+        dg.nn.finalize_grads(net)
+        if wrap:
+            out["stats"].append(net.stats)
+        for n, parts in others.items():
+            p = dict(model.named_parameters())[n]
+            acc = parts[0].float()
+            for g in parts[1:]:
+                acc = acc + g.float()
+            out["sum_order_ok"].append((n, torch.equal(p.grad, acc.to(p.dtype))))
+        opt.step()
+    out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    out["main_grads"] = {n: p.main_grad.cpu().clone() for n, p in model.named_parameters()
+                         if hasattr(p, "main_grad")}
+    out["flat_bytes"] = (net._engine.flat.numel() * 4) if wrap else 0
+    return out
+
+
+def _gather(t, world):
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def train_worker(rank, world, cfg):
+    out = train(rank, world, cfg)
+    if cfg.get("plain_too") and rank == 0:
+        out["plain"] = train(0, 1, dict(cfg, order="rank_major"), wrap=False)
+    return out
