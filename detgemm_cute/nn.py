@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import linear as _linear
+from .functional import linear as _linear
 
 _FP32 = torch.float32
 
