@@ -219,3 +219,94 @@ def train_worker(rank, world, cfg):
     if cfg.get("plain_too") and rank == 0:
         out["plain"] = train(0, 1, dict(cfg, order="rank_major"), wrap=False)
     return out
+
+
+# ------------------------------------------------------------------------ bad setups
+BAD_EXPECT = {  # check -> (exception types, any of these substrings)
+    "model differs on rank 1": (("RuntimeError",), ["model on rank 1 differs from rank 0's"]),
+    "values differ without the broadcast": (("RuntimeError",),
+                                            ["model on rank 1 differs from rank 0's"]),
+    "24 tokens": (("ValueError",), ["ran backward on 24 tokens", "multiple of 16 tokens"]),
+    "optimizer.step without finalize": (("RuntimeError",), ["optimizer.step() ran after"]),
+    "zero_main_grads without finalize": (("RuntimeError",), ["zero_main_grads() ran after"]),
+    "flush on rank 0, finalize on rank 1": (("RuntimeError",), ["ranks disagree"]),
+    "input modified in place on rank 0": (("RuntimeError",),
+                                          ["modified in place", "another rank failed"]),
+    "rank 1 not converted for fp32 accumulation": (("ValueError", "RuntimeError"),
+                                                   ["fp32_grad_accum=True"]),
+    "no detgemm Linear": (("ValueError",), ["no trainable detgemm Linear"]),
+    "layer shares its weight": (("ValueError",), ["tied weights"]),
+}
+
+
+def _expect_error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def bad_setup_worker(rank, world, seed):
+    import detgemm_cute as dg
+    from detgemm_cute.distributed import InvariantDataParallel as IDP
+
+    out = {}
+
+    def step_on(net, tokens, finalize=True):
+        x, y = global_batch("mlp", seed, 0, 1)
+        x = torch.cat([x] * 2)[:tokens]
+        y = torch.cat([y] * 2)[:tokens]
+        (loss_sum("mlp", net(x), y) / (tokens * world)).backward()
+        if finalize:
+            dg.nn.finalize_grads(net)
+
+    def differs():
+        IDP(build("mlp", seed, h=64 if rank == 0 else 48))
+    out["model differs on rank 1"] = _expect_error(differs)
+    out["values differ without the broadcast"] = _expect_error(
+        lambda: IDP(build("mlp", seed + rank), broadcast_parameters=False))
+    out["24 tokens"] = _expect_error(lambda: step_on(IDP(build("mlp", seed)), 24))
+
+    net = IDP(build("mlp", seed))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    step_on(net, 16, finalize=False)
+    out["optimizer.step without finalize"] = _expect_error(opt.step)
+    out["zero_main_grads without finalize"] = _expect_error(lambda: dg.nn.zero_main_grads(net))
+    net.discard_pending()
+    dg.nn.zero_main_grads(net)
+    step_on(net, 16)  # a proper step works after the discard
+    opt.step()
+
+    net = IDP(build("mlp", seed))
+    step_on(net, 16, finalize=False)
+    out["flush on rank 0, finalize on rank 1"] = _expect_error(
+        net.flush if rank == 0 else lambda: dg.nn.finalize_grads(net))
+
+    net = IDP(build("mlp", seed))
+    x, y = global_batch("mlp", seed, 1, 1)
+    (loss_sum("mlp", net(x), y) / 32).backward()
+    if rank == 0:
+        x.add_(1)
+    out["input modified in place on rank 0"] = _expect_error(lambda: dg.nn.finalize_grads(net))
+
+    def unconverted():
+        m = build("mlp", seed)
+        if rank == 1:
+            dg.nn.convert(m, fp32_grad_accum=False)
+        IDP(m)
+    out["rank 1 not converted for fp32 accumulation"] = _expect_error(unconverted)
+    out["no detgemm Linear"] = _expect_error(lambda: IDP(torch.nn.LayerNorm(8)))
+
+    def tied():
+        m = build("mlp", seed)
+        m.extra = torch.nn.Module()
+        m.extra.w = m.up.weight
+        IDP(m)
+    out["layer shares its weight"] = _expect_error(tied)
+
+    # the broadcast makes rank 0's parameters everyone's
+    net = IDP(build("mlp", seed + rank))
+    ref = build("mlp", seed)
+    broadcast_ok = all(torch.equal(p, q) for p, q in zip(net.parameters(), ref.parameters()))
+    return {"checks": out, "broadcast_ok": broadcast_ok}

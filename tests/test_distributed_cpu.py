@@ -1,0 +1,140 @@
+"""World-size-invariant data parallelism on CPU with gloo, in 1, 2 and 4 processes.
+
+CPU tensors run detgemm's bit-exact reference of the GPU chain, so what holds here holds
+for the kernels' bits. Every training check draws a fresh seed (printed on failure)."""
+
+import random
+
+import pytest
+import torch
+
+from dist_helpers import TOKENS, build, rank_chunks, run_world, train_worker
+import dist_helpers as H
+
+CHUNKS = 4  # a global batch of 4 x 16 tokens per step
+STEPS = 3
+
+
+def _seed():
+    return random.randrange(1 << 30)
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ in bits (or are missing)."""
+    return [k for k in a if k not in b or not torch.equal(a[k], b[k])] + \
+        [k for k in b if k not in a]
+
+
+def test_rank_chunks_layouts():
+    """The global layouts the invariance statement is about: rank-major (consecutive slices,
+    rank 0 first) and interleaved (micro-batch j of rank r is global micro-batch j*R + r)."""
+    assert rank_chunks(0, 1, 4, 2, "rank_major") == [[0, 1], [2, 3]]
+    assert rank_chunks(1, 2, 4, 2, "rank_major") == [[2], [3]]
+    assert rank_chunks(3, 4, 4, 1, "rank_major") == [[3]]
+    assert rank_chunks(0, 2, 4, 2, "interleaved") == [[0], [2]]
+    assert rank_chunks(1, 2, 4, 2, "interleaved") == [[1], [3]]
+
+
+def test_weights_are_bit_identical_at_world_sizes_1_2_4():
+    """A model of detgemm Linears and element-wise ops, 3 AdamW steps with gradient
+    accumulation, the global batch of each step split over 1, 2 or 4 ranks (consecutive
+    slices, rank 0 first; 2 micro-batches per rank at worlds 1 and 2): every rank of every
+    world ends with the bits of one process trained without the wrapper on the same
+    micro-batches in order. Also at world 2 with small pipeline slices, and at world 2 with
+    a flush after every micro-batch over the interleaved layout."""
+    seed = _seed()
+    base = dict(kind="mlp", seed=seed, chunks=CHUNKS, steps=STEPS, order="rank_major")
+    runs = {
+        "world 1": run_world(train_worker, 1, dict(base, micro=2, plain_too=True)),
+        "world 2, 1 KiB slices": run_world(train_worker, 2,
+                                           dict(base, micro=2, pipeline_bytes=1024)),
+        "world 4": run_world(train_worker, 4, dict(base, micro=1)),
+        "world 2, flush per micro-batch": run_world(train_worker, 2,
+                                                    dict(base, micro=2, order="interleaved")),
+    }
+    plain = runs["world 1"][0]["plain"]
+    ref = plain["weights"]
+    # the one-process reference trained: its weights moved away from the initial ones
+    init = {n: p.detach() for n, p in build("mlp", seed).named_parameters()}
+    assert all(not torch.equal(ref[n], init[n]) for n in init)
+    for label, results in runs.items():
+        for rank, res in enumerate(results):
+            assert not _same(res["weights"], ref), (label, rank, seed, _same(res["weights"], ref))
+            assert not _same(res["main_grads"], plain["main_grads"]), (label, rank, seed)
+
+
+def test_communication_volume_and_units():
+    """What a flush moves, per rank: R-1 hops of the fp32 gradients (rank r < R-1 sends
+    them once, rank r > 0 receives them once) and one broadcast of them; nothing at world
+    1. 1 KiB slices cut each weight into slices of 8 output features."""
+    seed = _seed()
+    cfg = dict(kind="mlp", seed=seed, chunks=2, steps=1, order="rank_major", micro=1,
+               pipeline_bytes=1024)
+    (solo,) = run_world(train_worker, 1, cfg)
+    st = solo["stats"][0]
+    assert (st.sent_bytes, st.received_bytes, st.broadcast_bytes) == (0, 0, 0)
+    results = run_world(train_worker, 2, cfg)
+    flat = results[0]["flat_bytes"]
+    # Mlp(32, 64): up 64x32 + 64, mid 64x64, down 32x64 + 32 parameters, fp32
+    assert flat == 4 * (64 * 32 + 64 + 64 * 64 + 32 * 64 + 32)
+    s0, s1 = results[0]["stats"][0], results[1]["stats"][0]
+    assert (s0.sent_bytes, s0.received_bytes) == (flat, 0)
+    assert (s1.sent_bytes, s1.received_bytes) == (0, flat)
+    assert s0.broadcast_bytes == s1.broadcast_bytes == flat
+    # 1 KiB = 256 fp32: 8 rows of a 32-wide weight, 8 rows (rounded down to 8) of 64-wide
+    assert s0.units == 64 // 8 + 1 + 64 // 8 + 32 // 8 + 1
+    # held: X and dY of each Linear call, bf16: (32+64) + (64+64) + (64+32) features x 16
+    assert s0.held_bytes == 2 * TOKENS * (32 + 64 + 64 + 64 + 64 + 32)
+    assert s0.calls == 3 and s0.flushes == 1 and s0.finalize
+
+
+def test_norm_model_is_identical_across_two_runs_at_world_2():
+    """Embedding, LayerNorm and RMSNorm beside detgemm Linears at world 2: two launches give
+    the same bits on every rank, and each non-detgemm gradient is exactly the fp32 sum
+    rank 0 + rank 1 of the local gradients, rounded once."""
+    seed = _seed()
+    cfg = dict(kind="norm", seed=seed, chunks=CHUNKS, steps=2, order="rank_major", micro=1)
+    first = run_world(train_worker, 2, cfg)
+    second = run_world(train_worker, 2, cfg)
+    for a, b in zip(first, second):
+        assert not _same(a["weights"], b["weights"]), seed
+        assert not _same(a["weights"], first[0]["weights"]), seed
+        names = {n for n, _ in a["sum_order_ok"]}
+        assert names == {"emb.weight", "ln.weight", "ln.bias", "rms.weight"}
+        assert all(ok for _, ok in a["sum_order_ok"]), a["sum_order_ok"]
+
+
+def test_bad_setups_get_clear_errors():
+    """Run on 2 ranks: a model that differs on rank 1, values that differ without the
+    broadcast, a micro-batch that is not a multiple of 16 tokens, a missing finalize (at
+    optimizer.step and at zero_main_grads), ranks disagreeing on flush vs finalize, an input
+    modified in place before the flush, a model not converted for fp32 accumulation, a
+    module without detgemm Linears, a detgemm weight also used by another module; each
+    raises the named error on every rank. After a discarded step a proper step works, and
+    the constructor's broadcast gives every rank rank 0's parameters."""
+    results = run_world(H.bad_setup_worker, 2, _seed(), pg_timeout=60)
+    for rank, res in enumerate(results):
+        assert set(res["checks"]) == set(H.BAD_EXPECT)
+        for name, (kind, msg) in res["checks"].items():
+            types, texts = H.BAD_EXPECT[name]
+            assert kind in types, (rank, name, kind, msg)
+            assert any(t in msg for t in texts), (rank, name, msg)
+        assert res["broadcast_ok"], rank
+
+
+def test_constructor_errors_without_a_process_group():
+    """Local argument errors name the argument; without init_process_group it says so."""
+    import torch.distributed as dist
+
+    from detgemm_cute.distributed import InvariantDataParallel
+
+    assert not dist.is_initialized()
+    model = build("mlp", 0)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        InvariantDataParallel("model")
+    with pytest.raises(ValueError, match="pipeline_bytes must be a positive int"):
+        InvariantDataParallel(model, pipeline_bytes=0)
+    with pytest.raises(TypeError, match="broadcast_parameters must be a bool"):
+        InvariantDataParallel(model, broadcast_parameters="yes")
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        InvariantDataParallel(model)
