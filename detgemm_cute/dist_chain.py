@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import bias_grad, weight_grad
+from .grads import bias_grad, weight_grad
 
 OP = "detgemm_cute.distributed.InvariantDataParallel"
 _OP = OP
