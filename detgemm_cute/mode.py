@@ -8,7 +8,9 @@ matmul is again ``mm``/``bmm`` on CUDA tensors, so dX and dW run on detgemm too 
 chain per backward call, rounded once; accumulation of ``.grad`` across backward calls is
 PyTorch's, in the parameter dtype: use `nn.convert(fp32_grad_accum=True)` for the fp32
 chain across micro-batches). Disabling destroys the registration, which restores PyTorch's
-kernels exactly.
+kernels exactly. CPU matmuls keep PyTorch's kernels unless ``cpu=True`` (then they run the
+bit-exact reference); a PyTorch built without CUDA enables the mode without error and
+routes nothing on its own (`routed_devices()` says what is routed).
 
 Semantics kept: ``addmm``/``baddbmm``/``addmv`` with beta=alpha=1 and a bias row add the bias
 in fp32 before the one rounding; other beta/alpha compute ``alpha * (A @ B) + beta * self``
@@ -41,7 +43,9 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _lock = threading.RLock()
 _stack: list[bool] = []  # strictness of each active enable(), innermost last
 _lib = None
-_keys: tuple[str, ...] = ()
+_keys: tuple[str, ...] = ()  # dispatch keys registered now
+_requested_keys: tuple[str, ...] = ()
+_warned_no_backend = False
 _routed: Counter = Counter()
 _fell_back: Counter = Counter()
 _warned: set = set()
@@ -303,36 +307,71 @@ def _register(keys):
 
 
 # -------------------------------------------------------------------------- public API
-def enable(strict: bool = False, *, _dispatch_keys: tuple[str, ...] = ("CUDA",)) -> None:
+def _has_kernels(key: str) -> bool:
+    """This PyTorch build has a kernel for every replaced op under `key` (a CPU-only build
+    has none for CUDA)."""
+    try:
+        for name in _REPLACEMENTS:
+            torch.library.get_kernel(f"aten::{name}", key)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _requested(cpu: bool, dispatch_keys) -> tuple[str, ...]:
+    if dispatch_keys is not None:
+        return tuple(dispatch_keys)
+    return ("CUDA", "CPU") if cpu else ("CUDA",)
+
+
+def enable(strict: bool = False, *, cpu: bool = False,
+           _dispatch_keys: tuple[str, ...] | None = None, _stacklevel: int = 3) -> None:
     """Route PyTorch's CUDA matmuls through detgemm until the matching `disable()`.
 
     Calls nest: each enable() pushes its strictness, each disable() pops it; the kernels are
     replaced at the first enable and restored at the last disable. `strict=True` raises
-    `BatchInvariantError` for a matmul detgemm cannot run instead of falling back."""
-    global _lib, _keys
+    `BatchInvariantError` for a matmul detgemm cannot run instead of falling back.
+    `cpu=True` also routes CPU matmuls, through the bit-exact reference (slow; the same
+    bits as the kernels). Without it CPU matmuls keep PyTorch's kernels. On a PyTorch built
+    without CUDA the mode enables and disables normally but routes nothing (one warning),
+    unless `cpu=True`."""
+    global _lib, _keys, _requested_keys
     with _lock:
-        keys = tuple(_dispatch_keys)
-        if _lib is None:
-            _keys = keys
-            _lib = _register(keys)
+        keys = _requested(cpu, _dispatch_keys)
+        if not _stack:
+            live = tuple(k for k in keys if _has_kernels(k))
+            if not live and not _warned_no_backend:
+                _warn_no_backend(keys, _stacklevel)
+            _lib = _register(live) if live else None
+            _keys, _requested_keys = live, keys
             _device_reason.clear()
-        elif keys != _keys:
-            raise RuntimeError(f"batch_invariant_mode is already enabled for {_keys}; "
+        elif keys != _requested_keys:
+            raise RuntimeError(f"batch_invariant_mode is already enabled for {_requested_keys}; "
                                f"cannot nest a different set {keys}")
         _stack.append(bool(strict))
+
+
+def _warn_no_backend(keys, stacklevel) -> None:
+    global _warned_no_backend
+    _warned_no_backend = True
+    warnings.warn(f"detgemm batch_invariant_mode: this PyTorch build has no "
+                  f"{'/'.join(keys)} kernels (no CUDA), so the mode routes no matmul; CPU "
+                  f"matmuls keep PyTorch's kernels (batch_invariant_mode(cpu=True) runs them "
+                  f"on the bit-exact reference). Shown once per process.", stacklevel=stacklevel)
 
 
 def disable() -> bool:
     """Undo the innermost `enable()`; the last one restores PyTorch's kernels. Returns
     False (and does nothing) when the mode is not enabled."""
-    global _lib, _keys
+    global _lib, _keys, _requested_keys
     with _lock:
         if not _stack:
             return False
         _stack.pop()
         if not _stack:
-            _lib._destroy()
-            _lib, _keys = None, ()
+            if _lib is not None:
+                _lib._destroy()
+            _lib, _keys, _requested_keys = None, (), ()
         return True
 
 
@@ -340,11 +379,18 @@ def is_enabled() -> bool:
     return bool(_stack)
 
 
+def routed_devices() -> tuple[str, ...]:
+    """The device types whose matmuls the active mode routes through detgemm ("cuda",
+    "cpu"); empty when the mode is off or this PyTorch has none of the requested ones."""
+    return tuple(k.lower() for k in _keys)
+
+
 @contextlib.contextmanager
-def batch_invariant_mode(strict: bool = False, *, _dispatch_keys: tuple[str, ...] = ("CUDA",)):
+def batch_invariant_mode(strict: bool = False, *, cpu: bool = False,
+                         _dispatch_keys: tuple[str, ...] | None = None):
     """Context manager form of `enable()`/`disable()`; the previous state comes back on exit,
     also when the body raises."""
-    enable(strict, _dispatch_keys=_dispatch_keys)
+    enable(strict, cpu=cpu, _dispatch_keys=_dispatch_keys, _stacklevel=5)
     try:
         yield
     finally:
@@ -388,5 +434,5 @@ def reset_report() -> None:
     _warned.clear()
 
 
-__all__ = ["batch_invariant_mode", "enable", "disable", "is_enabled", "report",
-           "reset_report", "Report", "BatchInvariantError"]
+__all__ = ["batch_invariant_mode", "enable", "disable", "is_enabled", "routed_devices",
+           "report", "reset_report", "Report", "BatchInvariantError"]

@@ -14,18 +14,23 @@ bits of one big batch. ``.grad`` is left alone until `finalize_grads` writes
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterator
 
 import torch
 
+from . import amp
 from .functional import linear as _linear
 
 _FP32 = torch.float32
+_autocast_on = torch._C._is_any_autocast_enabled
 
 
 class Linear(torch.nn.Linear):
     """`torch.nn.Linear` with deterministic, batch-invariant GEMMs (same parameters, same
-    `state_dict`). Inputs and parameters must be bf16 or fp16 (the same dtype)."""
+    `state_dict`). Inputs and parameters must be bf16 or fp16 (the same dtype), or run
+    inside ``torch.autocast`` (then fp32 parameters are cast to the autocast dtype for the
+    GEMMs, like torch.nn.Linear under autocast, and stay fp32 with fp32 gradients)."""
 
     # Set by `detgemm_cute.distributed` (fp32_grad_accum only): a callable taking (dY, X)
     # that takes over this layer's dW / db work from backward; its ``owner`` is flushed by
@@ -53,9 +58,11 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_grad_accum and torch.is_grad_enabled() and _any_grad(self):
+            _refuse_ddp(self)
             for p in self._grad_params():
                 _main_grad(p)
-            return _LinearMainGrad.apply(x, self.weight, self.bias, self.dw_deferral)
+            x, compute = _autocast_inputs(x, self.weight, self.bias)
+            return _LinearMainGrad.apply(x, self.weight, self.bias, self.dw_deferral, compute)
         return _linear(x, self.weight, self.bias)
 
     def _grad_params(self) -> Iterator[torch.nn.Parameter]:
@@ -80,33 +87,69 @@ def _main_grad(p: torch.nn.Parameter) -> torch.Tensor:
     return buf
 
 
+def _autocast_inputs(x, weight, bias):
+    """Inside torch.autocast: x cast as the autocast kernels cast it (recorded by autograd,
+    so x's gradient comes back in x's dtype) and detached casts of the parameters to compute
+    with, since their gradients go to main_grad. Outside autocast: (x, None)."""
+    if not (_autocast_on() and isinstance(x, torch.Tensor)):
+        return x, None
+    dev = x.device.type
+    dtype = amp.active_dtype(dev, "detgemm_cute.nn.Linear")
+    if dtype is None:
+        return x, None
+    with torch.no_grad():
+        compute = (amp.cast(weight, dev, dtype), amp.cast(bias, dev, dtype))
+    return amp.cast(x, dev, dtype), compute
+
+
+def _refuse_ddp(m: Linear) -> None:
+    """DDP all-reduces ``.grad``, which this mode leaves empty (dW goes to main_grad): the
+    ranks would step on unreduced gradients."""
+    ddp = _ddp_class()
+    if ddp is not None and getattr(ddp, "_active_ddp_module", None) is not None:
+        raise RuntimeError(
+            "detgemm_cute.nn.Linear(fp32_grad_accum=True) inside torch DistributedDataParallel: "
+            "DDP all-reduces .grad, but this mode accumulates dW in param.main_grad and leaves "
+            ".grad to finalize_grads, so gradients would not be reduced. Use "
+            "fp32_grad_accum=False under DDP (fp32 parameters + torch.autocast keep fp32 "
+            "gradients), or detgemm_cute.distributed for fp32 main_grad data parallelism")
+
+
+def _ddp_class():
+    mod = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(mod, "DistributedDataParallel", None)
+
+
 class _LinearMainGrad(torch.autograd.Function):
     """Linear whose backward accumulates dW and db into ``param.main_grad`` (fp32, one
-    continued chain per micro-batch) and returns no gradient for the parameters."""
+    continued chain per micro-batch) and returns no gradient for the parameters.
+    `compute`: the (weight, bias) to compute with when autocast cast them (else None)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, defer=None):
+    def forward(ctx, x, weight, bias, defer=None, compute=None):
         ctx.params, ctx.defer = (weight, bias), defer
+        cw, cb = compute if compute is not None else (weight, bias)
         ctx.save_for_backward(x if weight.requires_grad else None,
-                              weight if ctx.needs_input_grad[0] else None)
-        return torch.ops.detgemm.linear(x, weight, bias, None)
+                              cw if ctx.needs_input_grad[0] else None)
+        ctx.dtype = cw.dtype
+        return torch.ops.detgemm.linear(x, cw, cb, None)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight_saved = ctx.saved_tensors
         weight, bias = ctx.params
-        g = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
+        g = grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
         if ctx.defer is not None:
             ctx.defer(g, x)  # dW and db later, in a rank-ordered chain
-            return gx, None, None, None
+            return gx, None, None, None, None
         if weight.requires_grad:
             torch.ops.detgemm.weight_grad_acc_(weight.main_grad, g, x)
         if bias is not None and bias.requires_grad:
             torch.ops.detgemm.bias_grad_acc_(bias.main_grad, g)
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
 def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
@@ -135,7 +178,22 @@ def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
 def _accum_params(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
     for m in model.modules():
         if isinstance(m, Linear) and m.fp32_grad_accum:
-            yield from m._grad_params()
+            for p in m._grad_params():
+                _refuse_sharded(p)
+                yield p
+
+
+def _refuse_sharded(p: torch.nn.Parameter) -> None:
+    """FSDP2 (fully_shard) keeps DTensor shards as the module's parameters between forward
+    and backward and reduce-scatters ``.grad``; main_grad lives on its unsharded copies, so
+    the sharded parameters would never see it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is not None and isinstance(p, mod.DTensor):
+        raise RuntimeError(
+            "detgemm_cute.nn: fp32_grad_accum=True does not work with DTensor parameters "
+            "(fully_shard / FSDP2 reduce-scatters .grad, which this mode leaves empty); use "
+            "fp32_grad_accum=False with fully_shard, e.g. "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
 
 
 def _deferral_owners(model: torch.nn.Module) -> list:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import grads
+from . import amp, grads
 from .errors import check_gemm_args
 from .gemm import gemm
 
@@ -40,8 +40,14 @@ def _linear_args(x, weight, bias, out_dtype, op, check_device=True):
 
 def _linear(x, weight, bias, out_dtype, op):
     x2 = _linear_args(x, weight, bias, out_dtype, op)
-    y = gemm(x2, weight, "nk", bias, out_dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    if x.dim() == 2:
+        return gemm(x2, weight, "nk", bias, out_dtype)
+    # [..., N] allocated as such and written through its 2-D view: the op's output is not a
+    # view of a temporary (wrappers such as FSDP2 warn about view outputs)
+    n = weight.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
+    gemm(x2, weight, "nk", bias, out_dtype, out=y.view(-1, n))
+    return y
 
 
 @torch.library.custom_op("detgemm::mm", mutates_args=())
@@ -220,3 +226,6 @@ def _backward_addmm(ctx, grad):
 linear.register_autograd(_backward_linear, setup_context=_setup_linear)
 mm.register_autograd(_backward_mm, setup_context=_setup_mm)
 addmm.register_autograd(_backward_addmm, setup_context=_setup_addmm)
+
+# Inside torch.autocast the forward ops cast their inputs like aten::mm/addmm/linear (`amp`).
+amp.register(("mm", "addmm", "linear"))
