@@ -125,8 +125,7 @@ def build_context(args, arch):
                        cap_stream=torch.cuda.Stream(), plan=args.plan, peers=peers)
     notes = []
     try:
-        import detgemm_cute as dg
-        ctx.dg = dg
+        ctx.dg = P.detgemm_api()
     except Exception as e:  # noqa: BLE001
         ctx.dg_reason = err_str(e, 120)
         log(f"detgemm_cute import failed: {ctx.dg_reason}")

@@ -1,4 +1,5 @@
-"""`detgemm-cute`: audit the dispatch tables, explain a choice, compile, demo, bench.
+"""`detgemm-cute`: audit the dispatch tables, explain a choice, compile, warm up, tune, demo,
+bench.
 
 User mistakes (a bad config file, an unknown bucket, an arch without kernels) end with a
 message on stderr and exit status 1, never a traceback.
@@ -70,12 +71,41 @@ def cmd_warmup(args, out) -> int:
         reg.add_config(p, arch=arch)
     split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
     t0 = time.time()
+    aot_dir = args.aot_dir
+    if args.jobs > 1:
+        aot_dir = _compile_in_parallel(args, split, out)
     n = aot.warmup(args.arch, ops=split(args.ops), dtypes=split(args.dtypes),
                    bucket_names=args.bucket or None, variants=args.variants,
-                   aot_dir=args.aot_dir, progress=None if args.quiet else _progress_bar)
+                   aot_dir=aot_dir, progress=None if args.quiet else _progress_bar)
     where = f", libraries in {args.aot_dir}" if args.aot_dir else ""
     out(f"warmup: {n} kernels ready for {args.arch} in {time.time() - t0:.1f}s{where}")
     return 0
+
+
+def _compile_in_parallel(args, split, out):
+    """warmup --jobs N: compile the kernels in N processes into the AOT cache first (warmup
+    then loads them); returns the directory used."""
+    from . import aot, aot_cache
+    from .tune.compile_pool import compile_all
+
+    directory = args.aot_dir or aot_cache.cache_dir()
+    if directory is None:
+        out("warmup: the AOT cache is off, so --jobs cannot share kernels; compiling here")
+        return None
+    keys = [k for _, k in aot.warmup_keys(args.arch, split(args.ops), split(args.dtypes),
+                                          args.bucket or None, args.variants)]
+    failed = compile_all(keys, directory, args.jobs,
+                         progress=None if args.quiet else _progress_bar)
+    for key, why in failed.items():
+        out(f"warmup: {key.tile} {key.dtype}->{key.out_dtype} failed in a worker ({why}); "
+            f"compiling it here")
+    return str(directory)
+
+
+def cmd_tune(args, out) -> int:
+    from .tune.command import run
+
+    return run(args, out)
 
 
 def cmd_verify(args, out) -> int:
@@ -159,7 +189,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="export each kernel as a shared library here (what DETGEMM_CUTE_AOT_DIR "
                         "points later processes to); cached ones are loaded, not rebuilt")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many processes into the AOT cache first (default 1)")
     w.set_defaults(func=cmd_warmup)
+
+    from .tune.command import add_arguments as tune_arguments
+
+    t = sub.add_parser("tune", help="time candidate buckets on this GPU and write a tuned "
+                                    "table (a YAML layer)")
+    tune_arguments(t)
+    t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("demo", help="show determinism and batch invariance on this GPU")
     d.add_argument("--quick", action="store_true")

@@ -60,12 +60,7 @@ def device_meta() -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "argv": sys.argv[1:],
     }
-    try:
-        import detgemm_cute
-
-        meta["detgemm"] = getattr(detgemm_cute, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        meta["detgemm"] = f"not importable ({err_str(e, 80)})"
+    meta["detgemm"] = getattr(sys.modules.get(__name__.split(".")[0]), "__version__", "?")
     try:
         import cutlass
 

@@ -157,6 +157,18 @@ def lt_call(op: str):
     return call
 
 
+def detgemm_api():
+    """detgemm's calls used here (mm, input_grad, weight_grad, force_bucket), taken from the
+    modules that define them."""
+    import types
+
+    from .. import functional, gemm
+
+    return types.SimpleNamespace(mm=functional.mm, input_grad=functional.input_grad,
+                                 weight_grad=functional.weight_grad,
+                                 force_bucket=gemm.force_bucket)
+
+
 def detgemm_call(op: str, dg, bucket: str | None = None):
     """detgemm's call for `op`; with `bucket`, forced onto that bucket (by name)."""
     if op == "fwd":

@@ -1,0 +1,247 @@
+"""`detgemm-cute tune`: time candidate buckets on this GPU and write a YAML layer.
+
+    detgemm-cute tune --preset prefill-models --ops fwd --jobs 14 --max-seconds 420 \\
+        --out tuned.yaml --json tune.json --resume tune.jsonl
+
+Steps: the problems (a preset suite, `--shapes`, `--shapes-file`); for each, the table's
+current bucket plus candidates from the kernel family's limits (`candidates`); the candidates
+installed as an unreachable user layer so `force_bucket` runs each (`layer`); their kernels
+compiled by `--jobs` processes into the AOT cache (`compile_pool`) while the GPU times the
+problems whose kernels are ready (`measure`, cuBLAS default and split-K-off cuBLASLt in the
+same run); each result appended to `--resume FILE`; finally per op the winners turned into
+buckets covering every (M, N, K) (`table`), written as a layer that `DETGEMM_CUTE_CONFIG` /
+`registry.add_config` loads and `detgemm-cute audit --config` validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import types
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..benchlib import suites
+
+    src = p.add_argument_group("problems")
+    src.add_argument("--preset", choices=suites.SUITES,
+                     help="a suite of problems: " + "; ".join(
+                         f"{k}: {v}" for k, v in suites.DESCRIPTIONS.items()))
+    src.add_argument("--shapes", nargs="+", metavar="MxKxN",
+                     help="problems as M tokens x K inputs x N outputs, e.g. 1000x5120x5120")
+    src.add_argument("--shapes-file", metavar="FILE", help="'MxKxN [label]' per line")
+    src.add_argument("--ops", help="comma-separated fwd,dx,dw (default: the preset's, or fwd)")
+    src.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    src.add_argument("--every", type=int, default=1, help="keep every N-th problem")
+    src.add_argument("--limit", type=int, default=None, help="keep at most N problems")
+    src.add_argument("--in-order", action="store_true",
+                     help="time problems in suite order (default: a fixed shuffle, so a "
+                          "time-boxed run still spreads over the suite)")
+    src.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group("candidates")
+    c.add_argument("--max-candidates", type=int, default=16,
+                   help="candidates per problem, the table's current bucket included")
+    c.add_argument("--max-tiles", type=int, default=5, help="tile shapes per problem")
+    c.add_argument("--option", action="append", default=[], metavar="KEY=V1,V2",
+                   help="an extra bucket key to try (first value = default), repeatable")
+    c.add_argument("--skip-candidate", action="append", default=[], metavar="TEXT",
+                   help="leave out candidates whose name contains TEXT, e.g. 8x16x128_c1x2 "
+                        "(repeatable; the table's own bucket is always timed)")
+    r = p.add_argument_group("run")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="compile processes (default: CPU cores - 2; 1 = compile in-process)")
+    r.add_argument("--aot-dir", metavar="DIR",
+                   help="kernel library cache (default: the AOT cache; a temporary directory "
+                        "when the cache is off)")
+    r.add_argument("--max-seconds", type=float, default=None,
+                   help="stop timing new problems after this many seconds (then write)")
+    r.add_argument("--resume", metavar="FILE",
+                   help="JSON lines of measured problems: read first (those done are "
+                        "skipped), appended as the run goes")
+    r.add_argument("--dry-run", action="store_true",
+                   help="list problems, candidates and kernel counts; no GPU needed")
+    r.add_argument("--arch", choices=("sm90", "sm80"),
+                   help="kernel family for --dry-run (default: sm90)")
+    r.add_argument("--sms", type=int, default=None, help="SM count for --dry-run (default 132)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="FILE.yaml", help="the tuned layer (default: "
+                   "tuned_<device>_<dtype>.yaml; with --check only when given)")
+    o.add_argument("--json", metavar="FILE", help="every measurement, the tables, summaries")
+    o.add_argument("--bucket-dtypes", help="dtypes the written buckets serve "
+                                           "(default: --dtype), e.g. bf16,fp16")
+    o.add_argument("--tolerance", type=float, default=0.02,
+                   help="split a bucket only where its choice is more than this much slower "
+                        "than a problem's best (default 0.02)")
+    o.add_argument("--max-buckets", type=int, default=12, help="buckets per op, at most")
+    o.add_argument("--check", metavar="FILE.yaml",
+                   help="time the buckets of this table (layered on the built-in one) as the "
+                        "incumbents and report problems a candidate beats by > "
+                        "--check-threshold")
+    o.add_argument("--check-threshold", type=float, default=5.0, help="percent (default 5)")
+
+
+def log(msg: str) -> None:
+    print(f"[tune] {msg}", flush=True)
+
+
+def _err(msg: str) -> None:
+    for line in str(msg).splitlines():
+        print(f"detgemm-cute: {line}", file=sys.stderr)
+
+
+def select_problems(args):
+    from ..benchlib import suites
+    from ..benchlib.shapes import (dedup, parse_ops, parse_shape, problems_for,
+                                   read_shapes_file, subsample)
+
+    ops = parse_ops(args.ops) if args.ops else None
+    probs = []
+    if args.preset:
+        probs += suites.suite_problems(args.preset, ops)
+    shapes = [parse_shape(s) for s in args.shapes or []]
+    if args.shapes_file:
+        shapes += read_shapes_file(args.shapes_file)
+    if shapes:
+        probs += problems_for(shapes, ops or ("fwd",))
+    if not probs:
+        raise ValueError("tune: give problems with --preset, --shapes or --shapes-file")
+    probs = subsample(dedup(probs), args.every, args.limit)
+    if not args.in_order:
+        random.Random(args.seed).shuffle(probs)
+    return probs
+
+
+def _bucket_like(cand):
+    f = cand.fields()
+    return types.SimpleNamespace(**{k: tuple(v) if isinstance(v, list) else v
+                                    for k, v in f.items()})
+
+
+def kernel_key(cand, problem, dtype_name: str, gpu_arch: str):
+    """The KernelKey `detgemm_call(problem.op)` compiles for this candidate."""
+    from ..benchlib.peers import detgemm_layout
+    from ..compile import KernelKey
+
+    out = "fp32" if problem.op == "dw" else dtype_name
+    return KernelKey.for_bucket(_bucket_like(cand), dtype=dtype_name, out_dtype=out,
+                                arch=gpu_arch,
+                                **detgemm_layout(problem.op, problem.m, problem.k, problem.n))
+
+
+def plan_candidates(problems, arch: str, dtype_name: str, sms: int, args, reg):
+    """{problem: [Candidate]}, the table's bucket first."""
+    from .candidates import Candidate, Machine, candidates_for, parse_option, space_for
+
+    options = dict(parse_option(o) for o in args.option)
+    space = space_for(arch, options)
+    machine = Machine(sms=sms)
+    plan = {}
+    for p in problems:
+        m, n, k = p.gemm_mnk
+        inc = Candidate.from_bucket(reg.lookup(p.op, dtype_name, m, n, k))
+        cands = candidates_for(m, n, k, space, machine, out_bytes=4 if p.op == "dw" else 2,
+                               max_candidates=args.max_candidates, max_tiles=args.max_tiles,
+                               incumbent=inc)
+        plan[p] = cands[:1] + [c for c in cands[1:]
+                               if not any(t in c.name for t in args.skip_candidate)]
+    return plan
+
+
+def incumbent_registry(arch: str, check_file):
+    from .. import registry
+
+    if not check_file:
+        return registry.get_registry(arch)
+    env = [registry.load_config(p, origin=registry.ENV_VAR) for p in registry.env_config_paths()]
+    return registry.build_registry(arch, [f for f in env if f.arch == arch] + [
+        registry.load_config(check_file, arch=arch, origin="--check")])
+
+
+def dry_run(problems, plan, keys, jobs, out) -> int:
+    cands = {c for cs in plan.values() for c in cs}
+    all_keys = {k for ks in keys.values() for k in ks}
+    for p in problems:
+        cs = plan[p]
+        out(f"{p.text:28s} table {cs[0].name:26s} +{len(cs) - 1}: "
+            + ", ".join(c.name for c in cs[1:]))
+    units = sum(len(cs) + 2 for cs in plan.values())
+    out(f"{len(problems)} problems, {len(cands)} distinct candidates, {len(all_keys)} kernels "
+        f"to compile (~{1.5 * len(all_keys) / max(1, jobs):.0f} s at 1.5 s each over {jobs} "
+        f"processes), {units} timed units (~{0.015 * units:.0f} s of GPU timing at ~15 ms "
+        f"each; long GEMMs take longer)")
+    return 0
+
+
+def _aot_dir(args):
+    from .. import aot_cache
+
+    if args.aot_dir:
+        return os.path.expanduser(args.aot_dir)
+    d = aot_cache.cache_dir()
+    return str(d) if d is not None else tempfile.mkdtemp(prefix="detgemm-tune-aot-")
+
+
+def run(args, out=print) -> int:
+    from .. import compile as kcompile
+    from .. import registry
+    from .compile_pool import default_jobs
+
+    try:
+        problems = select_problems(args)
+    except (ValueError, OSError) as e:
+        _err(str(e))
+        return 1
+    jobs = args.jobs if args.jobs is not None else default_jobs()
+    dtype_name = args.dtype
+    if args.dry_run:
+        arch = args.arch or "sm90"
+        gpu_arch = kcompile.gpu_arch_for(arch, (9, 0) if arch == "sm90" else (8, 0))
+        sms = args.sms or 132
+    else:
+        from ..benchlib.gpu import gpu_check
+
+        why, arch = gpu_check()
+        if why is not None:
+            _err(f"tune needs a CUDA GPU with a detgemm_cute kernel family: {why}. "
+                 f"(--dry-run lists the problems and candidates without one.)")
+            return 1
+        import torch
+
+        gpu_arch = kcompile.gpu_arch_for(arch, torch.cuda.get_device_capability(0))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        reg = incumbent_registry(arch, args.check)
+        plan = plan_candidates(problems, arch, dtype_name, sms, args, reg)
+    except (registry.ConfigError, registry.NoBucketError, ValueError) as e:
+        _err(str(e))
+        return 1
+    keys = {p: [kernel_key(c, p, dtype_name, gpu_arch) for c in plan[p]] for p in problems}
+    if args.dry_run:
+        return dry_run(problems, plan, keys, jobs, out)
+    from .run_gpu import tune_on_gpu
+
+    return tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, _aot_dir(args), out)
+
+
+def write_json(path, payload) -> None:
+    from ..benchlib.fmt import json_clean, json_default
+
+    with open(path, "w") as f:
+        json.dump(json_clean(payload), f, indent=1, default=json_default, allow_nan=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="detgemm-cute tune", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return run(args)
+
+
+__all__ = ["add_arguments", "run", "main", "select_problems", "plan_candidates", "kernel_key"]
