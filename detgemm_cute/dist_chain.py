@@ -36,7 +36,8 @@ class FlushStats:
     storages). sent_bytes / received_bytes: fp32 bytes passed to the next / from the
     previous rank. broadcast_bytes: fp32 bytes of the final broadcast. seconds: host wall
     time of the flush (on a GPU, work still queued on streams is not included);
-    wait_seconds: the part spent waiting for the previous rank."""
+    wait_seconds: the part spent waiting for the previous rank; broadcast_seconds: the part
+    spent in the final broadcast."""
 
     flushes: int = 0
     units: int = 0
@@ -47,6 +48,7 @@ class FlushStats:
     broadcast_bytes: int = 0
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    broadcast_seconds: float = 0.0
     finalize: bool = False
 
     def add(self, other: "FlushStats") -> None:
@@ -92,7 +94,7 @@ class Deferral:
         self.owner._defer(self.layer, grad, x)
 
 
-class _Unit:
+class Unit:
     """A contiguous fp32 region passed rank to rank; `run(region, first)` adds this rank's
     part (first: this is rank 0, the chain's start)."""
 
@@ -170,7 +172,7 @@ class Engine:
                 f"(or InvariantDataParallel.discard_pending() to drop that work)")
 
     # ------------------------------------------------------------------- units
-    def _chain_units(self, layer: Layer) -> list[_Unit]:
+    def _chain_units(self, layer: Layer) -> list[Unit]:
         units = []
         w, b = layer.module.weight, layer.module.bias
         records = layer.records
@@ -181,13 +183,13 @@ class Engine:
                 rows = max(_ROW_ALIGN, self.pipeline_bytes // (4 * k) // _ROW_ALIGN * _ROW_ALIGN)
                 for n0 in range(0, n, rows):
                     n1 = min(n, n0 + rows)
-                    units.append(_Unit(view[n0:n1].view(-1), _weight_run(records, n0, n1, k)))
+                    units.append(Unit(view[n0:n1].view(-1), _weight_run(records, n0, n1, k)))
             else:
                 assert p is b
-                units.append(_Unit(view, _bias_run(records)))
+                units.append(Unit(view, _bias_run(records)))
         return units
 
-    def _other_units(self, flat: torch.Tensor, active) -> tuple[list[_Unit], list]:
+    def _other_units(self, flat: torch.Tensor, active) -> tuple[list[Unit], list]:
         units, spans, off = [], [], 0
         chunk = max(1024, self.pipeline_bytes // 4)
         for (name, p), on in zip(self.others, active):
@@ -197,7 +199,7 @@ class Engine:
                 local = None if g is None else g.detach().reshape(-1)
                 for a in range(0, numel, chunk):
                     e = min(numel, a + chunk)
-                    units.append(_Unit(flat[off + a:off + e], _sum_run(local, a, e)))
+                    units.append(Unit(flat[off + a:off + e], _sum_run(local, a, e)))
                 spans.append((off, off + numel))
             off += numel
         return units, spans
@@ -262,13 +264,15 @@ class Engine:
             more, other_spans = self._other_units(others_flat, other_on)
             units += more
         st.units = len(units)
-        st.wait_seconds = self._pipeline(units, st)
+        st.wait_seconds = self.pipeline(units, st)
         if self.world > 1:
+            tb = time.perf_counter()
             src = self.ranks[-1]
             for buf, sp in ((self.flat, spans), (others_flat, other_spans)):
                 for a, e in _merge(sp):
                     dist.broadcast(buf[a:e], src=src, group=self.group)
                     st.broadcast_bytes += (e - a) * 4
+            st.broadcast_seconds = time.perf_counter() - tb
         if others_flat is not None:
             off = 0
             for (_, p), on in zip(self.others, other_on):
@@ -286,7 +290,7 @@ class Engine:
         self.last_flush = st
         return st
 
-    def _pipeline(self, units: list[_Unit], st: FlushStats) -> float:
+    def pipeline(self, units: list[Unit], st: FlushStats) -> float:
         """Rank r waits for each region from rank r-1, adds its part, sends it to rank r+1;
         all receives are posted up front, so rank r works on region i while rank r+1 works
         on region i-1."""
@@ -350,4 +354,4 @@ def _merge(spans):
     return out
 
 
-__all__ = ["Engine", "Layer", "Deferral", "FlushStats", "OP"]
+__all__ = ["Engine", "Layer", "Deferral", "Unit", "FlushStats", "OP"]

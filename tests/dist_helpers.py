@@ -172,14 +172,15 @@ def train(rank, world, cfg, wrap=True):
     device = cfg.get("device", "cpu")
     dtype = cfg.get("dtype", torch.bfloat16)
     kind, seed, chunks = cfg["kind"], cfg["seed"], cfg["chunks"]
-    model = build(kind, seed, device, dtype)
+    shape = {"d": cfg["d"], "h": cfg["h"]} if "d" in cfg else {}
+    model = build(kind, seed, device, dtype, **shape)
     net = (InvariantDataParallel(model, pipeline_bytes=cfg.get("pipeline_bytes", 4 << 20))
            if wrap else model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     total = chunks * TOKENS
     out = {"stats": [], "sum_order_ok": []}
     for step in range(cfg["steps"]):
-        x, y = global_batch(kind, seed, step, chunks, device, dtype)
+        x, y = global_batch(kind, seed, step, chunks, device, dtype, d=cfg.get("d", 32))
         dg.nn.zero_main_grads(net)
         opt.zero_grad()
         for ids in rank_chunks(rank, world, chunks, cfg["micro"], cfg["order"]):
