@@ -158,3 +158,59 @@ def test_empty_and_zero_k_shapes():
         zb = torch.addmm(bias, rand(3, 0), rand(0, 5))
     assert same(z, torch.zeros(3, 5, dtype=torch.bfloat16)) and e.shape == (0, 5)
     assert same(zb, bias.expand(3, 5).contiguous())
+
+
+# --- the public defaults on this machine: CUDA only, and a PyTorch without CUDA -----------
+
+def _no_cuda_kernels(monkeypatch):
+    """Make this PyTorch look like a build without CUDA kernels (it may be one already)."""
+    real = mode._has_kernels
+    monkeypatch.setattr(mode, "_has_kernels", lambda key: key != "CUDA" and real(key))
+    monkeypatch.setattr(mode, "_warned_no_backend", False)
+
+
+def test_default_mode_without_cuda_enables_and_routes_nothing(monkeypatch):
+    _no_cuda_kernels(monkeypatch)
+    before = {op: _kernel_name(op) for op in ("aten::mm", "aten::addmm", "aten::bmm")}
+    a, b = rand(9, 32), rand(32, 12)
+    want = torch.mm(a, b)
+    with pytest.warns(UserWarning, match=r"no CUDA kernels .* routes no matmul.*cpu=True"):
+        dg.enable()
+    try:
+        assert mode.is_enabled() and mode.routed_devices() == ()
+        assert {op: _kernel_name(op) for op in before} == before  # CPU keeps PyTorch's
+        assert same(torch.mm(a, b), want)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the warning is shown once per process
+            with dg.batch_invariant_mode(strict=True):  # nests; strict raises nothing here
+                assert same(F.linear(a, b.t()), want)
+    finally:
+        assert dg.disable() is True
+    assert not mode.is_enabled() and dg.disable() is False
+    assert dg.report().total_routed == 0 and dg.report().total_fell_back == 0
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a PyTorch built without CUDA")
+def test_this_pytorch_without_cuda():
+    """The real thing, no monkeypatching: import, enable, matmul, disable."""
+    a, b = rand(5, 16), rand(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with dg.batch_invariant_mode():
+            y = a @ b
+            assert mode.routed_devices() == ()
+    assert same(y, a @ b)
+
+
+def test_cpu_true_routes_cpu_matmuls_through_the_reference(monkeypatch):
+    _no_cuda_kernels(monkeypatch)
+    x, w = rand(6, 40), rand(10, 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CPU is routed: nothing to warn about
+        with dg.batch_invariant_mode(cpu=True):
+            assert mode.routed_devices() == ("cpu",)
+            y = F.linear(x, w)
+            with pytest.raises(RuntimeError, match="already enabled"):
+                dg.enable()  # CUDA-only cannot nest inside CUDA + CPU
+    assert same(y, reference.linear(x, w))
+    assert dg.report().routed[("mm", "bf16")] == 1
