@@ -1,12 +1,15 @@
 """Bad-input matrix on CPU tensors, through every public entry point: mm, addmm, linear,
 input_grad, weight_grad, bias_grad, the torch.ops.detgemm ops (eagerly, under autograd,
-under their fake implementations and under torch.compile). Each case either raises a clear
+under their fake implementations and under torch.compile), inside torch.autocast, on meta
+and fake tensors, with DTensor arguments, and the mode on a PyTorch without CUDA. Each case
+either raises a clear
 error (type + a message naming the argument and what was expected) or gives the bits of
 `detgemm_cute.reference` on contiguous copies of the inputs.
 
 Tiny shapes only: CPU tensors run the bit-exact reference."""
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -531,3 +534,184 @@ def test_requires_grad_subsets_of_linear(has_bias):
     with torch.no_grad():
         assert not dg.linear(*(full[k] for k in names)).requires_grad
 
+
+
+# --- autocast, meta and fake tensors, the mode without CUDA, DTensor arguments ------------
+
+def _amp(call, dtype=BF):
+    def run():
+        with torch.autocast("cpu", dtype=dtype):
+            return call()
+    return run
+
+
+def _amp_fp32_dtype(call):
+    """An autocast region whose dtype was set to fp32 (torch allows it inside a region)."""
+    def run():
+        with torch.autocast("cpu", dtype=BF):
+            torch.set_autocast_dtype("cpu", F32)
+            try:
+                return call()
+            finally:
+                torch.set_autocast_dtype("cpu", BF)
+    return run
+
+
+def _fake(call):
+    def run():
+        with FakeTensorMode():
+            return call()
+    return run
+
+
+def _fake_t(*shape, dtype=BF, device="cuda"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+AMP_MODE_BAD = [
+    E(_amp(lambda: dg.linear(rand(M, K, dtype=F64), rand(N, K, dtype=F64))), TypeError,
+      r"detgemm::linear: input must be torch\.bfloat16 or torch\.float16, got torch\.float64",
+      "amp-fp64-not-cast"),
+    E(_amp(lambda: dg.mm(ints(M, K), ints(K, N))), TypeError,
+      r"detgemm::mm: a must be torch\.bfloat16 .* got torch\.int32", "amp-int"),
+    E(_amp(lambda: dg.linear(rand(M, K, dtype=F32), rand(N, K, dtype=F64))), TypeError,
+      r"weight must have the same dtype as input \(torch\.bfloat16\), got torch\.float64",
+      "amp-fp32-fp64"),
+    E(_amp(lambda: dg.linear(rand(M, K, dtype=F32), rand(N, K + 1, dtype=F32)), FP), ValueError,
+      r"detgemm::linear: K mismatch", "amp-fp16-K"),
+    E(_amp(lambda: dg.addmm(rand(M, dtype=F32), rand(M, K, dtype=F32), rand(K, N, dtype=F32))),
+      ValueError, r"detgemm::addmm: bias must be 1-D of length N=3", "amp-addmm-bias"),
+    E(_amp(lambda: dg.mm(rand(M, K, dtype=F32), rand(K, N, dtype=F32), out_dtype=torch.int8)),
+      TypeError, r"out_dtype must be one of", "amp-out-int8"),
+    E(_amp(lambda: dg.weight_grad(rand(M, N, dtype=F32), rand(M, K, dtype=F32))), TypeError,
+      r"detgemm_cute\.weight_grad: grad_output must be torch\.bfloat16", "amp-grads-not-cast"),
+    E(_amp(lambda: dg.input_grad(rand(M, N, dtype=F32), rand(N, K, dtype=F32))), TypeError,
+      r"input_grad: grad_output must be torch\.bfloat16", "amp-input_grad-not-cast"),
+    E(_amp_fp32_dtype(lambda: dg.linear(rand(M, K, dtype=F32), rand(N, K, dtype=F32))),
+      TypeError, r"detgemm::linear: the cpu autocast dtype is torch\.float32; detgemm computes "
+      r"in torch\.bfloat16 or torch\.float16", "amp-dtype-fp32"),
+    E(_amp_fp32_dtype(lambda: dg.nn.Linear(K, N, fp32_grad_accum=True)(rand(M, K, dtype=F32))),
+      TypeError, r"detgemm_cute\.nn\.Linear: the cpu autocast dtype is torch\.float32",
+      "amp-dtype-fp32-module"),
+    E(_amp(lambda: dg.nn.Linear(K, N, fp32_grad_accum=True)(rand(M, K, dtype=F64))), TypeError,
+      r"input must be torch\.bfloat16 or torch\.float16, got torch\.float64",
+      "amp-module-main-grad-fp64"),
+    E(lambda: dg.nn.Linear(K, N)(rand(M, K, dtype=F32)), TypeError,
+      r"detgemm::linear: input must be torch\.bfloat16 .* got torch\.float32",
+      "module-fp32-without-autocast"),
+    # meta and fake tensors: alone they are fine (test_meta_fake_cpu.py); mixed or malformed
+    E(lambda: dg.linear(meta(M, K), rand(N, K)), ValueError,
+      r"weight is on cpu but input is on meta", "meta-x-cpu-w"),
+    E(lambda: dg.mm(meta(M, K), meta(K + 1, N)), ValueError, r"mm: K mismatch", "meta-K"),
+    E(lambda: dg.addmm(meta(N, dtype=FP), meta(M, K), meta(K, N)), TypeError,
+      r"bias must have dtype torch\.bfloat16 like a", "meta-bias-dtype"),
+    E(lambda: dg.weight_grad(meta(M, N), meta(M, K), acc=meta(N, K, dtype=F32), out_dtype=BF),
+      ValueError, r"weight_grad: an fp32 accumulation buffer takes fp32 results", "meta-acc-out"),
+    E(lambda: dg.bias_grad(meta(M, N), acc=meta(N + 1, dtype=F32)), ValueError,
+      r"acc must have shape \[3\]", "meta-bias_grad-acc"),
+    E(lambda: dg.input_grad(meta(M, N, dtype=F32), meta(N, K, dtype=F32)), TypeError,
+      r"grad_output must be torch\.bfloat16", "meta-input_grad-fp32"),
+    E(_fake(lambda: dg.linear(_fake_t(M, K), _fake_t(N, K, dtype=FP))), TypeError,
+      r"weight must have the same dtype as input", "fake-mixed-dtype"),
+    E(_fake(lambda: dg.mm(_fake_t(2, M, K), _fake_t(K, N))), ValueError, r"a must be 2-D",
+      "fake-mm-3d"),
+    E(_fake(lambda: dg.weight_grad(_fake_t(M, N), _fake_t(M + 1, K))), ValueError,
+      r"same leading \(token\) dims", "fake-weight_grad-T"),
+    E(_fake(lambda: dg.bias_grad(_fake_t(M, N), acc=_fake_t(N, dtype=FP))), TypeError,
+      r"acc must be torch\.float32", "fake-bias_grad-acc"),
+    E(_fake(lambda: dg.linear(_fake_t(M, K), _fake_t(N, K), _fake_t(N, device="cpu"))),
+      ValueError, r"bias is on cpu but input is on cuda", "fake-bias-device"),
+]
+
+
+@pytest.mark.parametrize("call, exc, regex", AMP_MODE_BAD)
+def test_autocast_meta_and_fake_bad_input_is_refused(call, exc, regex):
+    with pytest.raises(exc, match=regex):
+        call()
+
+
+def test_mode_cannot_nest_a_different_device_set():
+    from detgemm_cute import mode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a PyTorch without CUDA warns that nothing is routed
+        with dg.batch_invariant_mode():
+            with pytest.raises(RuntimeError, match=r"already enabled for \('CUDA',\); cannot "
+                                                   r"nest a different set \('CUDA', 'CPU'\)"):
+                dg.enable(cpu=True)
+            assert mode._stack == [False]
+    assert not mode.is_enabled()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A one-rank gloo process group and CPU device mesh, for DTensor arguments."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dt(mesh, t, shard=True):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return distribute_tensor(t, mesh, [Shard(0) if shard else Replicate()])
+
+
+DTENSOR_BAD = [
+    ("linear-weight", lambda m: dg.linear(rand(M, K), _dt(m, rand(N, K))),
+     r"detgemm_cute\.linear: weight is a DTensor \(placements \(Shard\(dim=0\),\)\)"),
+    ("linear-input-grad", lambda m: dg.linear(_dt(m, rand(M, K, grad=True), False), rand(N, K)),
+     r"linear: input is a DTensor \(placements \(Replicate\(\),\)\)"),
+    ("linear-bias-amp", lambda m: _amp(lambda: dg.linear(rand(M, K, dtype=F32),
+                                                         rand(N, K, dtype=F32),
+                                                         _dt(m, rand(N, dtype=F32))))(),
+     r"linear: bias is a DTensor"),
+    ("mm-b", lambda m: dg.mm(rand(M, K), _dt(m, rand(K, N), False)), r"mm: b is a DTensor"),
+    ("addmm-bias", lambda m: dg.addmm(_dt(m, rand(N)), rand(M, K), rand(K, N)),
+     r"addmm: bias is a DTensor"),
+    ("input_grad-weight", lambda m: dg.input_grad(rand(M, N), _dt(m, rand(N, K))),
+     r"input_grad: weight is a DTensor"),
+    ("weight_grad-acc", lambda m: dg.weight_grad(rand(M, N), rand(M, K),
+                                                 acc=_dt(m, torch.zeros(N, K))),
+     r"weight_grad: acc is a DTensor"),
+    ("bias_grad-dy", lambda m: dg.bias_grad(_dt(m, rand(M, N))), r"bias_grad: grad_output is a "
+                                                                 r"DTensor"),
+    ("module", lambda m: _dtensor_module(m)(rand(M, K)),
+     r"detgemm_cute\.linear: weight is a DTensor .* pass weight\.full_tensor\(\)"),
+]
+
+
+def _dtensor_module(mesh, fp32_grad_accum=False):
+    lin = dg.nn.Linear(K, N, dtype=BF, fp32_grad_accum=fp32_grad_accum)
+    lin.weight = torch.nn.Parameter(_dt(mesh, lin.weight.detach()))
+    lin.bias = torch.nn.Parameter(_dt(mesh, lin.bias.detach(), False))
+    return lin
+
+
+@pytest.mark.parametrize("case", DTENSOR_BAD, ids=[c[0] for c in DTENSOR_BAD])
+def test_dtensor_arguments_are_refused_by_name(mesh, case):
+    _, call, regex = case
+    with pytest.raises(TypeError, match=regex):
+        call(mesh)
+
+
+def test_fp32_grad_accum_refuses_dtensor_parameters(mesh):
+    lin = _dtensor_module(mesh, fp32_grad_accum=True)
+    for fn in (dg.nn.finalize_grads, dg.nn.zero_main_grads):
+        with pytest.raises(RuntimeError, match=r"fp32_grad_accum=True does not work with "
+                                               r"DTensor parameters \(fully_shard"):
+            fn(lin)
+
+
+def test_full_tensors_of_dtensor_parameters_work(mesh):
+    """What FSDP2 does before forward (all-gather to a plain tensor) gives the usual bits."""
+    w, x = rand(N, K), rand(M, K)
+    same(dg.linear(x, _dt(mesh, w).full_tensor()), reference.linear(x, w))
