@@ -2,9 +2,8 @@
 input_grad, weight_grad, bias_grad, the torch.ops.detgemm ops (eagerly, under autograd,
 under their fake implementations and under torch.compile), inside torch.autocast, on meta
 and fake tensors, with DTensor arguments, and the mode on a PyTorch without CUDA. Each case
-either raises a clear
-error (type + a message naming the argument and what was expected) or gives the bits of
-`detgemm_cute.reference` on contiguous copies of the inputs.
+either raises a clear error (type + a message naming the argument and what was expected) or
+gives the bits of `detgemm_cute.reference` on contiguous copies of the inputs.
 
 Tiny shapes only: CPU tensors run the bit-exact reference."""
 
