@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--probe-limit", type=int, default=12,
                    help="probe at most this many distinct fwd weights (spread over the suite)")
     p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead test")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile the kernels the run needs in this many processes first "
+                        "(into the AOT cache; default 1: each compiles on first use)")
     args = p.parse_args(argv)
     if args.quick and args.suite == "core":
         args.suite = "quick"
@@ -252,6 +255,17 @@ def main(argv=None) -> int:
               flush=True)
         return 2
     torch.manual_seed(args.seed)
+    if args.jobs > 1:
+        from detgemm_cute.benchlib.precompile import precompile
+        from detgemm_cute.compile import gpu_arch_for
+
+        t0 = time.time()
+        try:
+            precompile(args.problems, args.dtype, arch,
+                       gpu_arch_for(arch, torch.cuda.get_device_capability(0)), args.jobs, log)
+        except Exception as e:  # noqa: BLE001 - compiling on first use still works
+            log(f"parallel compile failed ({err_str(e)}); kernels compile on first use")
+        log(f"parallel compile: {time.time() - t0:.1f} s")
     ctx, notes = build_context(args, arch)
     meta = collect_meta(args, ctx, notes)
     log(f"{meta['device']} sm_{meta['capability']}, torch {meta['torch']}, CUDA {meta['cuda']}, "

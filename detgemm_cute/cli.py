@@ -86,7 +86,7 @@ def _compile_in_parallel(args, split, out):
     """warmup --jobs N: compile the kernels in N processes into the AOT cache first (warmup
     then loads them); returns the directory used."""
     from . import aot, aot_cache
-    from .tune.compile_pool import compile_all
+    from .parallel_compile import compile_all
 
     directory = args.aot_dir or aot_cache.cache_dir()
     if directory is None:

@@ -25,8 +25,8 @@ def _init_worker(directory: str) -> None:
 
 def compile_to_cache(key, directory: str) -> tuple[bool, float, str]:
     """(ok, seconds, message): compile `key` and export it into `directory` (worker side)."""
-    from .. import aot_cache
-    from .. import compile as kcompile
+    from . import aot_cache
+    from . import compile as kcompile
 
     d = Path(directory)
     if aot_cache.path_for(key, d).exists():
@@ -64,7 +64,7 @@ class CompilePool:
 
     def submit(self, keys) -> int:
         """Queue the keys not queued yet and not in the cache; returns how many were queued."""
-        from .. import aot_cache
+        from . import aot_cache
 
         n = 0
         for key in keys:

@@ -199,3 +199,26 @@ def test_bench_time_box(fake, monkeypatch, tmp_path, capsys):
     rep = json.loads((tmp_path / "gemm_nvidia-h100-80gb-hbm3_shapes.json").read_text())
     assert rep["rows"] == [] and any("time box" in n for n in rep["meta"]["notes"])
     capsys.readouterr()
+
+
+def test_bench_jobs_prebuilds_the_table_kernels(fake, monkeypatch, tmp_path, capsys):
+    from detgemm_cute import dispatch, parallel_compile
+
+    seen = {}
+
+    def compile_all(keys, directory, jobs, log=print, progress=None):
+        seen.update(keys=list(keys), directory=directory, jobs=jobs)
+        return {}
+
+    monkeypatch.setattr(parallel_compile, "compile_all", compile_all)
+    monkeypatch.setenv("DETGEMM_CUTE_AOT_DIR", "off")
+    spec = importlib.util.spec_from_file_location("bench_gemm_fake_gpu3", _PATH)
+    bg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bg)
+    assert bg.main(["--shapes", "8x64x48", "--ops", "fwd,dw", "--jobs", "3", "--no-pedantic",
+                    "--no-probe", "--no-overhead", "--out", str(tmp_path)]) == 0
+    assert seen["jobs"] == 3 and len(seen["keys"]) == 2
+    fwd = [k for k in seen["keys"] if k.out_dtype == "bf16"][0]
+    b = dispatch.lookup("fwd", "bf16", "sm90", 8, 48, 64)
+    assert (fwd.tile, fwd.stages, fwd.b_form, fwd.b_contig) == (b.tile, b.stages, "kn", "first")
+    assert "compiling 2 kernels in 3 processes" in capsys.readouterr().out

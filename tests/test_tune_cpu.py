@@ -378,3 +378,47 @@ def test_a_kernel_that_breaks_the_gpu_stops_the_run_with_what_was_measured(monke
     assert rc == 0 and "stopped: candidate" in text and "illegal memory access" in text
     assert len(store.load(tmp_path / "r.jsonl")) == 1 and out.exists()
     assert run_gpu is not None
+
+
+@pytest.mark.parametrize("all_fail", [False, True])
+def test_compile_pool_path_with_worker_failures(monkeypatch, tmp_path, capsys, all_fail):
+    fake_cuda.install(monkeypatch, l2=1 << 14)
+    from detgemm_cute.benchlib import timing
+    from detgemm_cute import parallel_compile as compile_pool
+    from detgemm_cute.tune import measure
+
+    monkeypatch.setattr(measure, "TUNE_PLAN", timing.TimingPlan(
+        target_ms=0.2, reps=2, min_reps=2, budget_ms=2.0, warm_rounds=1, warm_replays=1,
+        est_min_ms=0.1, max_sets=2, max_r=4))
+    monkeypatch.setenv("DETGEMM_CUTE_AOT_DIR", "off")
+    seen = {}
+
+    class FakePool:
+        def __init__(self, jobs, directory, log=print):
+            seen["jobs"], seen["dir"], self.closed = jobs, directory, False
+            self.keys = []
+
+        def submit(self, keys):
+            self.keys += list(keys)
+            return len(keys)
+
+        def wait(self, keys, timeout=None):
+            return {k: "boom" for k in keys if all_fail or k is keys[-1]}
+
+        def stats(self):
+            return {"compiled": 0, "cached": 0, "failed": 1}
+
+        def close(self, cancel=False):
+            seen["closed"] = cancel
+
+    monkeypatch.setattr(compile_pool, "CompilePool", FakePool)
+    rc = cli.main(["tune", "--shapes", "8x64x48", "16x64x48", "--jobs", "3", "--in-order",
+                   "--max-candidates", "3", "--out", str(tmp_path / "t.yaml"), "--aot-dir",
+                   str(tmp_path / "aot"), "--json", str(tmp_path / "t.json")])
+    text = capsys.readouterr().out
+    assert rc == 0 and seen["jobs"] == 3 and seen["closed"] is True
+    assert "worker could not build" in text and "boom" in text
+    if all_fail:
+        assert "compiling in this process from now on" in text
+    recs = json.loads((tmp_path / "t.json").read_text())["records"]
+    assert all(len(r["cands"]) == 3 for r in recs)     # built here instead: still timed

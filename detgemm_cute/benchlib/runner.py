@@ -151,7 +151,8 @@ def bench_problem(problem, ctx: BenchContext) -> dict:
         row["bucket"] = bucket_for(problem, ctx)
     fns = peer_calls(problem.op, ctx, row)
     try:
-        sets, set_bytes = make_sets(problem, ctx.dtype, ctx.l2, ctx.plan)
+        sets, set_bytes = make_sets(problem, ctx.dtype, ctx.l2, ctx.plan,
+                                    with_out=ctx.ped is not None)
     except Exception as e:  # noqa: BLE001
         row["notes"].append("inputs: " + err_str(e, 120))
         return row

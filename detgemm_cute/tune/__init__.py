@@ -3,7 +3,6 @@
   candidates    the candidate configurations for a problem (from the kernel family's limits,
                 pruned with wave arithmetic)
   layer         candidates as an in-memory user layer, so `force_bucket` can run each one
-  compile_pool  compile kernels in parallel processes into the AOT cache
   store         the resume file: one JSON line per measured (problem, op)
   table         per-problem winners -> non-overlapping buckets covering every (M, N, K) -> YAML
   measure       timing one problem's candidates and peers (GPU)

@@ -6,7 +6,7 @@
 Steps: the problems (a preset suite, `--shapes`, `--shapes-file`); for each, the table's
 current bucket plus candidates from the kernel family's limits (`candidates`); the candidates
 installed as an unreachable user layer so `force_bucket` runs each (`layer`); their kernels
-compiled by `--jobs` processes into the AOT cache (`compile_pool`) while the GPU times the
+compiled by `--jobs` processes into the AOT cache (`parallel_compile`) while the GPU times the
 problems whose kernels are ready (`measure`, cuBLAS default and split-K-off cuBLASLt in the
 same run); each result appended to `--resume FILE`; finally per op the winners turned into
 buckets covering every (M, N, K) (`table`), written as a layer that `DETGEMM_CUTE_CONFIG` /
@@ -188,7 +188,7 @@ def _aot_dir(args):
 def run(args, out=print) -> int:
     from .. import compile as kcompile
     from .. import registry
-    from .compile_pool import default_jobs
+    from ..parallel_compile import default_jobs
 
     try:
         problems = select_problems(args)

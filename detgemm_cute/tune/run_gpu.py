@@ -105,7 +105,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
     import torch
 
     from .. import aot_cache
-    from .compile_pool import CompilePool
+    from ..parallel_compile import CompilePool
     from .measure import FatalGpuError, measure_problem
     from .summary import (build_tables, check_report, compare, render_check, render_compare,
                           render_tables)
@@ -139,7 +139,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
         log(f"compiling {queued} kernels in {jobs} processes (cached: "
             f"{pool.stats()['cached']})")
     bar = Progress(len(todo), "problems")
-    seen_ops, last_dt, stopped = set(), 0.0, None
+    seen_ops, last_dt, stopped, worker_failures = set(), 0.0, None, {}
     try:
         with torch.no_grad():
             for i, p in enumerate(todo):
@@ -150,15 +150,24 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
                     break
                 t0 = time.time()
                 cands = list(plan[p])
-                failed = {}
                 if pool is not None:
+                    # A kernel a worker could not build is compiled here on first use (its
+                    # error, if it is the kernel's own, is then recorded for that candidate).
                     failed = pool.wait(keys[p])
-                    if i == 0 and keys[p] and keys[p][0] not in failed:
+                    for k, why in failed.items():
+                        if k not in worker_failures:
+                            worker_failures[k] = why
+                            log(f"worker could not build {k.tile} c{k.cluster} s{k.stages}"
+                                f"{' p' if k.persistent else ''}: {why}")
+                    if i == 0 and keys[p] and len(failed) == len(set(keys[p])):
+                        log("WARNING: the compile workers built none of the first problem's "
+                            "kernels; compiling in this process from now on")
+                        pool.close(cancel=True)
+                        pool = None
+                    elif i == 0 and keys[p] and keys[p][0] not in failed:
                         if aot_cache.load(keys[p][0], Path(aot_dir)) is None:
                             log("WARNING: a kernel compiled by a worker could not be loaded "
                                 "from the cache; kernels will be compiled in this process")
-                    bad = {c.name for c, k in zip(plan[p], keys[p]) if k in failed}
-                    cands = [c for c in cands if c.name not in bad or c is plan[p][0]]
                 try:
                     rec = measure_problem(p, cands, ctx)
                 except FatalGpuError as e:
@@ -173,9 +182,6 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
                         stopped = f"stopped after {p.text}: the GPU is unusable ({e2})"
                         break
                     continue
-                for c, k in zip(plan[p], keys[p]):
-                    if k in failed:
-                        rec["errors"][c.name] = f"compile: {failed[k]}"
                 _check_keys_once(p, [k for c, k in zip(plan[p], keys[p]) if c.name in
                                      rec["cands"]], seen_ops)
                 store.append(args.resume, rec)
@@ -189,6 +195,8 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
             st = pool.stats()
             pool.close(cancel=True)
             log(f"compile pool: {st}")
+        elif worker_failures:
+            log(f"compile workers failed on {len(worker_failures)} kernels")
     if stopped:
         log(stopped)
 
