@@ -381,7 +381,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     check_device=False)
     acc = _chain(_cpu(x2), _cpu(weight), None, _model(model))
     y = _epilogue(acc, _cpu(bias), out_dtype or x.dtype)
-    return y.reshape(*lead, weight.shape[0])
+    return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])  # 2-D: not a view
 
 
 # ---------------------------------------------------------------------------------------
