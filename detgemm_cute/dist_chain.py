@@ -4,9 +4,8 @@ records, and the rank-ordered pass that continues the fp32 dW / db chains from r
 A pass walks a list of *units*, contiguous fp32 regions (a slice of output features of a
 weight's ``main_grad``, a bias's ``main_grad``, or a chunk of the other parameters' summed
 gradients). Rank r waits for each unit from rank r-1, adds its own part (continues the chain
-over its records, or adds its local gradient in fp32), and sends it to rank r+1; all
-receives are posted first, so rank r works on unit i while rank r+1 works on unit i-1. The
-last rank then broadcasts the results.
+over its records, or adds its local gradient in fp32), and sends it to rank r+1, so rank r
+works on unit i while rank r+1 works on unit i-1. The last rank then broadcasts the results.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ OP = "detgemm_cute.distributed.InvariantDataParallel"
 _OP = OP
 _TOKEN_BLOCK = 16
 _FP32 = torch.float32
+_RECV_AHEAD = 2  # receives posted ahead of the region being waited for
 _ROW_ALIGN = 8  # slice boundaries at multiples of 8 features keep dY column slices 16-B aligned
 
 
@@ -291,20 +291,27 @@ class Engine:
         return st
 
     def pipeline(self, units: list[Unit], st: FlushStats) -> float:
-        """Rank r waits for each region from rank r-1, adds its part, sends it to rank r+1;
-        all receives are posted up front, so rank r works on region i while rank r+1 works
-        on region i-1."""
-        r, last = self.rank, self.world - 1
-        recvs = []
-        if r > 0:
-            src = self.ranks[r - 1]
-            recvs = [dist.irecv(u.region, src=src, group=self.group, tag=i)
-                     for i, u in enumerate(units)]
+        """Rank r waits for each region from rank r-1, adds its part, sends it to rank r+1,
+        so rank r works on region i while rank r+1 works on region i-1. Receives are posted
+        `_RECV_AHEAD` regions ahead of the one being waited for: enough to keep the data
+        flowing, and a send queued behind them (where a backend orders a rank's
+        point-to-point operations on one stream) waits for few of them."""
+        r, last, n = self.rank, self.world - 1, len(units)
+        recvs: dict = {}
+
+        def post(i):
+            if r > 0 and i < n:
+                recvs[i] = dist.irecv(units[i].region, src=self.ranks[r - 1],
+                                      group=self.group, tag=i)
+
+        for i in range(_RECV_AHEAD):
+            post(i)
         sends, waited = [], 0.0
         for i, u in enumerate(units):
             if r > 0:
+                post(i + _RECV_AHEAD)
                 tw = time.perf_counter()
-                recvs[i].wait()
+                recvs.pop(i).wait()
                 waited += time.perf_counter() - tw
                 st.received_bytes += u.region.numel() * 4
             u.run(u.region, r == 0)

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/data_parallel_costs.py --device cuda   # NCCL
 
 `InvariantDataParallel` moves each step's fp32 gradients R-1 hops along the ranks (rank r
-sends every slice once to rank r+1, all receives posted up front, so the hops overlap
+sends every slice once to rank r+1, receives posted ahead, so the hops overlap
 slice by slice) and then broadcasts them from the last rank. This script times exactly
 that code path (`detgemm_cute.dist_chain.Engine`) with the per-rank dW work left out, next
 to `torch.distributed.all_reduce` of the same bytes (what DDP sends), for several sizes.

@@ -170,7 +170,8 @@ def train(rank, world, cfg, wrap=True):
     from detgemm_cute.distributed import InvariantDataParallel
 
     device = cfg.get("device", "cpu")
-    dtype = cfg.get("dtype", torch.bfloat16)
+    # autocast: fp32 parameters (fp32 .grad), bf16 GEMMs inside torch.autocast
+    dtype = torch.float32 if cfg.get("autocast") else cfg.get("dtype", torch.bfloat16)
     kind, seed, chunks = cfg["kind"], cfg["seed"], cfg["chunks"]
     shape = {"d": cfg["d"], "h": cfg["h"]} if "d" in cfg else {}
     model = build(kind, seed, device, dtype, **shape)
@@ -185,14 +186,17 @@ def train(rank, world, cfg, wrap=True):
         opt.zero_grad()
         for ids in rank_chunks(rank, world, chunks, cfg["micro"], cfg["order"]):
             rows = _rows(ids, device)
-            (loss_sum(kind, net(x[rows]), y[rows]) / total).backward()
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                                enabled=bool(cfg.get("autocast"))):
+                out_ = net(x[rows])
+            (loss_sum(kind, out_, y[rows]) / total).backward()
             if cfg["order"] == "interleaved" and wrap:
                 net.flush()
         others = {}
         if wrap and kind == "norm":
             others = {n: _gather(p.grad, world) for n, p in model.named_parameters()
                       if n in net.other_parameter_names()}
-        dg.nn.finalize_grads(net)
+        dg.nn.finalize_grads(model if cfg.get("finalize_inner") else net)
         if wrap:
             out["stats"].append(net.stats)
         for n, parts in others.items():

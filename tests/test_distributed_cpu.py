@@ -41,14 +41,16 @@ def test_weights_are_bit_identical_at_world_sizes_1_2_4():
     slices, rank 0 first; 2 micro-batches per rank at worlds 1 and 2): every rank of every
     world ends with the bits of one process trained without the wrapper on the same
     micro-batches in order. Also at world 2 with small pipeline slices, and at world 2 with
-    a flush after every micro-batch over the interleaved layout."""
+    a flush after every micro-batch over the interleaved layout; `finalize_grads` on the
+    wrapper, or at world 4 on the inner model."""
     seed = _seed()
     base = dict(kind="mlp", seed=seed, chunks=CHUNKS, steps=STEPS, order="rank_major")
     runs = {
         "world 1": run_world(train_worker, 1, dict(base, micro=2, plain_too=True)),
         "world 2, 1 KiB slices": run_world(train_worker, 2,
                                            dict(base, micro=2, pipeline_bytes=1024)),
-        "world 4": run_world(train_worker, 4, dict(base, micro=1)),
+        "world 4, finalize on the inner model": run_world(
+            train_worker, 4, dict(base, micro=1, finalize_inner=True)),
         "world 2, flush per micro-batch": run_world(train_worker, 2,
                                                     dict(base, micro=2, order="interleaved")),
     }
@@ -61,31 +63,28 @@ def test_weights_are_bit_identical_at_world_sizes_1_2_4():
         for rank, res in enumerate(results):
             assert not _same(res["weights"], ref), (label, rank, seed, _same(res["weights"], ref))
             assert not _same(res["main_grads"], plain["main_grads"]), (label, rank, seed)
+    _check_costs(runs["world 1"], runs["world 2, 1 KiB slices"])
 
 
-def test_communication_volume_and_units():
+def _check_costs(solo, pair):
     """What a flush moves, per rank: R-1 hops of the fp32 gradients (rank r < R-1 sends
     them once, rank r > 0 receives them once) and one broadcast of them; nothing at world
     1. 1 KiB slices cut each weight into slices of 8 output features."""
-    seed = _seed()
-    cfg = dict(kind="mlp", seed=seed, chunks=2, steps=1, order="rank_major", micro=1,
-               pipeline_bytes=1024)
-    (solo,) = run_world(train_worker, 1, cfg)
-    st = solo["stats"][0]
+    st = solo[0]["stats"][-1]
     assert (st.sent_bytes, st.received_bytes, st.broadcast_bytes) == (0, 0, 0)
-    results = run_world(train_worker, 2, cfg)
-    flat = results[0]["flat_bytes"]
+    flat = pair[0]["flat_bytes"]
     # Mlp(32, 64): up 64x32 + 64, mid 64x64, down 32x64 + 32 parameters, fp32
     assert flat == 4 * (64 * 32 + 64 + 64 * 64 + 32 * 64 + 32)
-    s0, s1 = results[0]["stats"][0], results[1]["stats"][0]
+    s0, s1 = pair[0]["stats"][-1], pair[1]["stats"][-1]
     assert (s0.sent_bytes, s0.received_bytes) == (flat, 0)
     assert (s1.sent_bytes, s1.received_bytes) == (0, flat)
     assert s0.broadcast_bytes == s1.broadcast_bytes == flat
     # 1 KiB = 256 fp32: 8 rows of a 32-wide weight, 8 rows (rounded down to 8) of 64-wide
     assert s0.units == 64 // 8 + 1 + 64 // 8 + 32 // 8 + 1
-    # held: X and dY of each Linear call, bf16: (32+64) + (64+64) + (64+32) features x 16
-    assert s0.held_bytes == 2 * TOKENS * (32 + 64 + 64 + 64 + 64 + 32)
-    assert s0.calls == 3 and s0.flushes == 1 and s0.finalize
+    # held until finalize: X and dY of each Linear call in bf16, 2 micro-batches of 16
+    # tokens: (32+64) + (64+64) + (64+32) features per token
+    assert s0.held_bytes == 2 * 2 * TOKENS * (32 + 64 + 64 + 64 + 64 + 32)
+    assert s0.calls == 3 * 2 and s0.flushes == 1 and s0.finalize
 
 
 def test_norm_model_is_identical_across_two_runs_at_world_2():
@@ -174,3 +173,17 @@ def test_costs_script_compares_the_pass_with_all_reduce():
                      "--reps", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pass + broadcast ms" in r.stdout and "0.25" in r.stdout, r.stdout
+
+
+def test_fp32_parameters_under_autocast_at_world_2():
+    """fp32 parameters with bf16 GEMMs inside torch.autocast (fp32 main_grad and .grad):
+    world 2 gives the bits of one process trained without the wrapper."""
+    seed = _seed()
+    cfg = dict(kind="mlp", seed=seed, chunks=CHUNKS, steps=2, order="rank_major", micro=1,
+               autocast=True, plain_too=True)
+    results = run_world(train_worker, 2, cfg)
+    plain = results[0]["plain"]
+    assert all(w.dtype == torch.float32 for w in plain["weights"].values())
+    for rank, res in enumerate(results):
+        assert not _same(res["weights"], plain["weights"]), (rank, seed)
+        assert not _same(res["main_grads"], plain["main_grads"]), (rank, seed)
