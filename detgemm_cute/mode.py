@@ -355,9 +355,9 @@ def _warn_no_backend(keys, stacklevel) -> None:
     global _warned_no_backend
     _warned_no_backend = True
     warnings.warn(f"detgemm batch_invariant_mode: this PyTorch build has no "
-                  f"{'/'.join(keys)} kernels (no CUDA), so the mode routes no matmul; CPU "
-                  f"matmuls keep PyTorch's kernels (batch_invariant_mode(cpu=True) runs them "
-                  f"on the bit-exact reference). Shown once per process.", stacklevel=stacklevel)
+                  f"{'/'.join(keys)} kernels, so the mode routes no matmul; CPU matmuls keep "
+                  f"PyTorch's kernels (batch_invariant_mode(cpu=True) runs them on the "
+                  f"bit-exact reference). Shown once per process.", stacklevel=stacklevel)
 
 
 def disable() -> bool:
