@@ -1,6 +1,7 @@
 """The package's top-level modules import each other without circles: every import of a
-detgemm_cute module (top-level or inside a function) is an edge, and the graph has no cycle. Modules import what they use from the module that defines it, not from the package
-`__init__` (which only re-exports)."""
+detgemm_cute module (top-level or inside a function) is an edge, and the graph has no
+cycle. Library modules import what they use from the module that defines it, not from the
+package `__init__` (which only re-exports)."""
 
 from __future__ import annotations
 

@@ -174,7 +174,8 @@ def test_default_mode_without_cuda_enables_and_routes_nothing(monkeypatch):
     before = {op: _kernel_name(op) for op in ("aten::mm", "aten::addmm", "aten::bmm")}
     a, b = rand(9, 32), rand(32, 12)
     want = torch.mm(a, b)
-    with pytest.warns(UserWarning, match=r"no CUDA kernels, so the mode routes no matmul.*cpu=True"):
+    with pytest.warns(UserWarning, match=r"no CUDA kernels, so the mode routes no matmul"
+                                         r".*cpu=True"):
         dg.enable()
     try:
         assert mode.is_enabled() and mode.routed_devices() == ()
