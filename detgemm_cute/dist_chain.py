@@ -205,7 +205,12 @@ class Engine:
         return units, spans
 
     # ------------------------------------------------------------------- flush
-    def _validate(self) -> str | None:
+    def _validate(self, finalize: bool) -> str | None:
+        if finalize:
+            for name, p in self.others:
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    return (f"{_OP}: parameter '{name}' has a {p.grad.layout} gradient; only "
+                            f"dense gradients are summed across ranks")
         for layer in self.layers:
             for p in layer.params:
                 view = layer.views[id(p)]
@@ -232,7 +237,7 @@ class Engine:
         layer_on = [bool(layer.records) for layer in self.layers]
         reduce_others = finalize and self.unfinished
         other_on = [reduce_others and p.grad is not None for _, p in self.others]
-        error = self._validate()
+        error = self._validate(finalize)
         if self.world > 1:
             flags = torch.tensor(layer_on + other_on + [error is not None, finalize,
                                                         not finalize, reduce_others],

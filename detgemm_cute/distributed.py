@@ -109,6 +109,10 @@ class InvariantDataParallel(torch.nn.Module):
             raise RuntimeError(f"{_OP}: torch.distributed is not initialized; call "
                                f"torch.distributed.init_process_group() on every rank first")
         group = dist.group.WORLD if process_group is None else process_group
+        if not isinstance(group, dist.ProcessGroup) \
+                and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"{_OP}: this process (global rank {dist.get_rank()}) is not a "
+                             f"member of process_group")
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"{_OP}: process_group must be a torch.distributed.ProcessGroup "
                             f"or None, got {type(process_group).__name__}")

@@ -241,6 +241,7 @@ BAD_EXPECT = {  # check -> (exception types, any of these substrings)
                                                    ["fp32_grad_accum=True"]),
     "no detgemm Linear": (("ValueError",), ["no trainable detgemm Linear"]),
     "layer shares its weight": (("ValueError",), ["tied weights"]),
+    "sparse embedding gradient": (("RuntimeError",), ["only dense gradients"]),
 }
 
 
@@ -310,8 +311,20 @@ def bad_setup_worker(rank, world, seed):
         IDP(m)
     out["layer shares its weight"] = _expect_error(tied)
 
+    def sparse():
+        m = build("mlp", seed)
+        m.emb = torch.nn.Embedding(8, 32, sparse=True).to(torch.bfloat16)
+        net = IDP(m)
+        (net(m.emb(torch.arange(16) % 8)).float().sum() / 32).backward()
+        dg.nn.finalize_grads(net)
+    out["sparse embedding gradient"] = _expect_error(sparse)
+
+    # a process group without this rank (rank 1); rank 0 wraps alone
+    group = dist.new_group([0])
+    non_member = _expect_error(lambda: IDP(build("mlp", seed), group))
+
     # the broadcast makes rank 0's parameters everyone's
     net = IDP(build("mlp", seed + rank))
     ref = build("mlp", seed)
     broadcast_ok = all(torch.equal(p, q) for p, q in zip(net.parameters(), ref.parameters()))
-    return {"checks": out, "broadcast_ok": broadcast_ok}
+    return {"checks": out, "broadcast_ok": broadcast_ok, "non_member": non_member}

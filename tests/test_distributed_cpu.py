@@ -108,8 +108,9 @@ def test_bad_setups_get_clear_errors():
     broadcast, a micro-batch that is not a multiple of 16 tokens, a missing finalize (at
     optimizer.step and at zero_main_grads), ranks disagreeing on flush vs finalize, an input
     modified in place before the flush, a model not converted for fp32 accumulation, a
-    module without detgemm Linears, a detgemm weight also used by another module; each
-    raises the named error on every rank. After a discarded step a proper step works, and
+    module without detgemm Linears, a detgemm weight also used by another module, a sparse
+    gradient to sum; each raises the named error on every rank; a rank outside the process
+    group is told so. After a discarded step a proper step works, and
     the constructor's broadcast gives every rank rank 0's parameters."""
     results = run_world(H.bad_setup_worker, 2, _seed(), pg_timeout=60)
     for rank, res in enumerate(results):
@@ -119,6 +120,9 @@ def test_bad_setups_get_clear_errors():
             assert kind in types, (rank, name, kind, msg)
             assert any(t in msg for t in texts), (rank, name, msg)
         assert res["broadcast_ok"], rank
+    assert results[0]["non_member"] == ("no error", "")
+    kind, msg = results[1]["non_member"]
+    assert kind == "ValueError" and "not a member of process_group" in msg, msg
 
 
 def test_constructor_errors_without_a_process_group():
