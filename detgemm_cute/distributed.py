@@ -18,10 +18,10 @@ device running the same calls in that order: the global batch laid out rank-majo
 first. `finalize_grads` flushes once per step, so rank r holds consecutive micro-batches
 r*J .. r*J+J-1 of the global step; calling `flush()` after every micro-batch instead gives
 the order (micro-batch j, rank r), i.e. rank r's j-th micro-batch is global micro-batch
-j*R + r, and holds only one micro-batch's pairs. With per-token forward ops (element-wise
-ops, row-wise norms) and losses scaled by the *global* token count (gradients are sums
-over the global batch; nothing divides by the world size), every rank then trains to the
-bits of one device.
+j*R + r, and holds only one micro-batch's pairs. With forward ops that work per sample
+(element-wise ops, row-wise norms without weights, attention within a sequence) and losses
+scaled by the *global* token count (gradients are sums over the global batch; nothing
+divides by the world size), every rank then trains to the bits of one device.
 
 The chain is pipelined over slices of the output features (``pipeline_bytes`` of fp32 per
 slice): rank r computes slice s while rank r+1 computes slice s-1. Parameters that are not
