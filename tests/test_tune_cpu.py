@@ -92,6 +92,8 @@ def test_extra_options_pass_through():
 
     c = C.Candidate.from_bucket(NewBucket("b", (64, 32, 128), (1, 1), 8, True, True))
     assert dict(c.extra) == {"swap_ab": True}
+    plain = C.Candidate.from_bucket(NewBucket("b", (64, 32, 128), (1, 1), 8, True, False))
+    assert plain == C.Candidate((64, 32, 128), (1, 1), 8, True)   # unset == default
     assert bucket  # SimpleNamespace is not a dataclass bucket: from_bucket needs fields
 
 
@@ -230,13 +232,14 @@ def test_resume_file(tmp_path):
     rec = {"device": "G", "arch": "sm90", "dtype": "bf16", "op": "fwd", "m": 1, "k": 2, "n": 3,
            "cands": {"a": 1.0}, "errors": {"b": "compile failed"}}
     store.append(path, rec)
-    store.append(path, dict(rec, cands={"a": 0.9}))
+    store.append(path, dict(rec, cands={"a": 0.9}, incumbent_err=float("nan")))
     with open(path, "a") as f:
         f.write('{"device": "G", "op": "fw')                    # killed mid-write
     recs = store.load(path)
     assert len(recs) == 2 and "time" in recs[0]
     latest = store.latest(recs)
     assert len(latest) == 1 and list(latest.values())[0]["cands"] == {"a": 0.9}
+    assert recs[1]["incumbent_err"] is None                      # strict JSON
     assert store.covers(recs[0], ["a", "b"]) and not store.covers(recs[0], ["a", "c"])
 
 
@@ -263,12 +266,14 @@ def test_tune_without_gpu_says_why(monkeypatch, capsys):
     assert cli.main(["tune", "--shapes", "1x2"]) == 1
 
 
-def test_kernel_keys_follow_the_candidate_and_the_call():
+def test_kernel_keys_follow_the_candidate_and_the_call(tmp_path):
     from detgemm_cute.benchlib.shapes import Problem
 
     c = C.Candidate((128, 256, 64), (2, 1), 4, True)
-    k_fwd = command.kernel_key(c, Problem("fwd", 512, 4096, 4096), "bf16", "sm_90a")
-    k_dw = command.kernel_key(c, Problem("dw", 512, 4096, 4096), "bf16", "sm_90a")
+    _acc, _rej, buckets = layer.prepare("sm90", [c], tmp_path / "c.yaml")
+    b = buckets[c.name]
+    k_fwd = command.kernel_key(b, Problem("fwd", 512, 4096, 4096), "bf16", "sm_90a")
+    k_dw = command.kernel_key(b, Problem("dw", 512, 4096, 4096), "bf16", "sm_90a")
     assert k_fwd.tile == (128, 256, 64) and k_fwd.cluster == (2, 1) and k_fwd.persistent
     assert (k_fwd.b_form, k_fwd.b_contig, k_fwd.out_dtype) == ("kn", "first", "bf16")
     assert (k_dw.a_major, k_dw.out_dtype, k_dw.accumulate) == ("m", "fp32", False)

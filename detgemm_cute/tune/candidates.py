@@ -87,9 +87,12 @@ class Candidate:
 
     @classmethod
     def from_bucket(cls, bucket) -> "Candidate":
-        """The configuration of a registry Bucket (any extra kernel fields pass through)."""
+        """The configuration of a registry Bucket. Extra kernel fields pass through; one at a
+        false or empty value (False, None, 0, "") counts as unset, so a table bucket equals
+        the generated candidate that leaves the key out."""
         fields = {f.name: getattr(bucket, f.name) for f in dataclasses.fields(bucket)
-                  if f.name not in _NOT_KERNEL}
+                  if f.name not in _NOT_KERNEL
+                  and (f.name in _STANDARD or getattr(bucket, f.name) not in (False, None, 0, ""))}
         return cls.from_fields(fields)
 
 

@@ -21,15 +21,15 @@ import os
 import random
 import sys
 import tempfile
-import types
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..benchlib import suites
 
     src = p.add_argument_group("problems")
-    src.add_argument("--preset", choices=suites.SUITES,
-                     help="a suite of problems: " + "; ".join(
+    src.add_argument("--preset", choices=suites.SUITES, nargs="+",
+                     help="one or more suites of problems: " + "; ".join(
                          f"{k}: {v}" for k, v in suites.DESCRIPTIONS.items()))
     src.add_argument("--shapes", nargs="+", metavar="MxKxN",
                      help="problems as M tokens x K inputs x N outputs, e.g. 1000x5120x5120")
@@ -100,8 +100,8 @@ def select_problems(args):
 
     ops = parse_ops(args.ops) if args.ops else None
     probs = []
-    if args.preset:
-        probs += suites.suite_problems(args.preset, ops)
+    for preset in args.preset or []:
+        probs += suites.suite_problems(preset, ops)
     shapes = [parse_shape(s) for s in args.shapes or []]
     if args.shapes_file:
         shapes += read_shapes_file(args.shapes_file)
@@ -115,20 +115,13 @@ def select_problems(args):
     return probs
 
 
-def _bucket_like(cand):
-    f = cand.fields()
-    return types.SimpleNamespace(**{k: tuple(v) if isinstance(v, list) else v
-                                    for k, v in f.items()})
-
-
-def kernel_key(cand, problem, dtype_name: str, gpu_arch: str):
-    """The KernelKey `detgemm_call(problem.op)` compiles for this candidate."""
+def kernel_key(bucket, problem, dtype_name: str, gpu_arch: str):
+    """The KernelKey `detgemm_call(problem.op)` compiles for this (candidate) bucket."""
     from ..benchlib.peers import detgemm_layout
     from ..compile import KernelKey
 
     out = "fp32" if problem.op == "dw" else dtype_name
-    return KernelKey.for_bucket(_bucket_like(cand), dtype=dtype_name, out_dtype=out,
-                                arch=gpu_arch,
+    return KernelKey.for_bucket(bucket, dtype=dtype_name, out_dtype=out, arch=gpu_arch,
                                 **detgemm_layout(problem.op, problem.m, problem.k, problem.n))
 
 
@@ -219,12 +212,23 @@ def run(args, out=print) -> int:
     except (registry.ConfigError, registry.NoBucketError, ValueError) as e:
         _err(str(e))
         return 1
-    keys = {p: [kernel_key(c, p, dtype_name, gpu_arch) for c in plan[p]] for p in problems}
+    from . import layer
+
+    layer_path = Path(tempfile.mkdtemp(prefix="detgemm-tune-")) / "candidates.yaml"
+    accepted, rejected, buckets = layer.prepare(
+        arch, [c for cs in plan.values() for c in cs], layer_path, log)
+    for p in problems:
+        plan[p] = [c for c in plan[p] if c.name in buckets]
+    keys = {p: [kernel_key(buckets[c.name], p, dtype_name, gpu_arch) for c in plan[p]]
+            for p in problems}
     if args.dry_run:
         return dry_run(problems, plan, keys, jobs, out)
     from .run_gpu import tune_on_gpu
 
-    return tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, _aot_dir(args), out)
+    log(f"{len(accepted)} candidate buckets in {layer_path}; {len(rejected)} rejected")
+    layer.activate(arch, layer_path)
+    return tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, _aot_dir(args),
+                       out, rejected)
 
 
 def write_json(path, payload) -> None:

@@ -66,9 +66,12 @@ def rejected_names(problems) -> set[str]:
     return set(re.findall(r"bucket '([^']+)'", "\n".join(problems)))
 
 
-def install(arch: str, candidates, path, log=print) -> tuple[list[Candidate], dict]:
-    """Write the layer to `path`, add it to the live registry; returns (accepted
-    candidates, {rejected name: reason}). Candidates the registry rejects are dropped."""
+def prepare(arch: str, candidates, path, log=print):
+    """Write the layer to `path` and validate it with the registry (not yet active).
+
+    Returns (accepted candidates, {rejected name: reason}, {candidate name: registry Bucket});
+    candidates the registry rejects are dropped. The Buckets carry every field the registry
+    fills in (defaults of keys a candidate does not set included)."""
     from .. import registry
 
     cands = list(dict.fromkeys(candidates))
@@ -79,7 +82,7 @@ def install(arch: str, candidates, path, log=print) -> tuple[list[Candidate], di
         Path(path).write_text(layer_text(arch, cands, "candidate buckets of detgemm-cute tune "
                                                       "(unreachable M: forced by name only)"))
         try:
-            registry.load_config(path, arch=arch)
+            f = registry.load_config(path, arch=arch)
         except registry.ConfigError as e:
             bad = rejected_names(e.problems)
             if not bad:
@@ -88,8 +91,22 @@ def install(arch: str, candidates, path, log=print) -> tuple[list[Candidate], di
                 rejected[c.name] = "; ".join(p for p in e.problems if bucket_name(c) in p)[:300]
                 cands.remove(c)
             continue
-        registry.add_config(path, arch=arch)
         for name, why in rejected.items():
             log(f"candidate {name} rejected by the registry: {why}")
-        return cands, rejected
+        by_name = {b.name: b for b in f.buckets}
+        return cands, rejected, {c.name: by_name[bucket_name(c)] for c in cands}
     raise RuntimeError(f"could not build a valid candidate layer in {path}")
+
+
+def activate(arch: str, path) -> None:
+    """Add the prepared layer to the live registry, so `force_bucket` finds its buckets."""
+    from .. import registry
+
+    registry.add_config(path, arch=arch)
+
+
+def install(arch: str, candidates, path, log=print):
+    """prepare + activate; returns (accepted candidates, {rejected name: reason})."""
+    accepted, rejected, _buckets = prepare(arch, candidates, path, log)
+    activate(arch, path)
+    return accepted, rejected

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from .command import log, write_json
 from .progress import Progress
 
 
-def _setup(args, arch, aot_dir):
+def _setup(args, arch, aot_dir, problems):
     """Torch, detgemm, the peers' status, the timing context."""
     import torch
 
@@ -32,22 +31,12 @@ def _setup(args, arch, aot_dir):
     ctx.lt_reason = P.lt_nosplit_status()
     if ctx.lt_reason:
         log(f"cuBLASLt split-K-off peer not run: {ctx.lt_reason}")
-    if any(p == "dw" for p in (args.ops or "fwd").split(",")) or args.preset == "prefill-models":
+    if any(p.op == "dw" for p in problems):
         ctx.dw_reason = P.mm_out_dtype_status()
         if ctx.dw_reason:
             log(ctx.dw_reason)
     torch.manual_seed(args.seed)
     return ctx, meta
-
-
-def _install(arch, plan, log_fn):
-    from .layer import install
-
-    cands = list(dict.fromkeys(c for cs in plan.values() for c in cs))
-    path = Path(tempfile.mkdtemp(prefix="detgemm-tune-")) / "candidates.yaml"
-    accepted, rejected = install(arch, cands, path, log_fn)
-    log(f"{len(accepted)} candidate buckets installed ({path}); {len(rejected)} rejected")
-    return set(accepted), rejected
 
 
 def _header(meta, args, arch) -> str:
@@ -101,7 +90,8 @@ def _check_keys_once(problem, keys, seen_ops) -> None:
         log(f"op {problem.op}: the calls used the predicted kernel keys (loaded from the cache)")
 
 
-def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) -> int:
+def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
+                rejected=None) -> int:
     import torch
 
     from .. import aot_cache
@@ -112,14 +102,9 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
     from .table import buckets_yaml
 
     t_start = time.time()
-    ctx, meta = _setup(args, arch, aot_dir)
+    ctx, meta = _setup(args, arch, aot_dir, problems)
     log(f"{meta['device']} ({arch}, {gpu_arch}), torch {meta['torch']}, {len(problems)} "
         f"problems, dtype {args.dtype}, kernel cache {aot_dir}, {jobs} compile jobs")
-    accepted, rejected = _install(arch, plan, log)
-    for p in problems:
-        pairs = [(c, k) for c, k in zip(plan[p], keys[p]) if c in accepted]
-        plan[p], keys[p] = [c for c, _ in pairs], [k for _, k in pairs]
-
     done = store.latest(store.load(args.resume))
     records, todo = [], []
     for p in problems:
@@ -153,7 +138,13 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
                 if pool is not None:
                     # A kernel a worker could not build is compiled here on first use (its
                     # error, if it is the kernel's own, is then recorded for that candidate).
-                    failed = pool.wait(keys[p])
+                    left = (None if args.max_seconds is None
+                            else max(1.0, args.max_seconds - (time.time() - t_start)))
+                    failed = pool.wait(keys[p], timeout=left)
+                    if any(why == "not finished in time" for why in failed.values()):
+                        stopped = (f"time box ({args.max_seconds:g} s) reached while kernels "
+                                   f"were compiling: {i} of {len(todo)} problems timed")
+                        break
                     for k, why in failed.items():
                         if k not in worker_failures:
                             worker_failures[k] = why
@@ -207,6 +198,13 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out) 
     checked = check_report(records, args.check_threshold / 100.0) if args.check else None
     for line in render_tables(tables) + render_compare(comp):
         out(line)
+    for op, boxes in tables.items():
+        low = min(p.m for b in boxes for p in b.points)
+        if low > 1:
+            log(f"NOTE: op {op}: no problem with GEMM M < {low} was measured; the bucket "
+                f"covering M 1..{low - 1} was chosen from larger M (tune decode and prefill "
+                f"problems together, e.g. --preset decode-models prefill-models, or one "
+                f"--resume file, so each M range is chosen from its own measurements)")
     if checked is not None:
         for line in render_check(checked, args.check_threshold / 100.0, len(records)):
             out(line)

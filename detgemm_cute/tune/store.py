@@ -54,7 +54,9 @@ def covers(rec: dict, names) -> bool:
 def append(path, rec: dict) -> None:
     if not path:
         return
-    rec = dict(rec, time=rec.get("time") or time.strftime("%Y-%m-%d %H:%M:%S"))
+    from ..benchlib.fmt import json_clean
+
+    rec = json_clean(dict(rec, time=rec.get("time") or time.strftime("%Y-%m-%d %H:%M:%S")))
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec, allow_nan=False, default=str) + "\n")
         f.flush()
