@@ -427,3 +427,34 @@ def test_compile_pool_path_with_worker_failures(monkeypatch, tmp_path, capsys, a
         assert "compiling in this process from now on" in text
     recs = json.loads((tmp_path / "t.json").read_text())["records"]
     assert all(len(r["cands"]) == 3 for r in recs)     # built here instead: still timed
+
+
+def test_an_unbuildable_candidate_is_tried_once(monkeypatch, tmp_path, capsys):
+    fake_cuda.install(monkeypatch, l2=1 << 14)
+    from detgemm_cute.benchlib import timing
+    from detgemm_cute.tune import measure
+
+    monkeypatch.setattr(measure, "TUNE_PLAN", timing.TimingPlan(
+        target_ms=0.2, reps=2, min_reps=2, budget_ms=2.0, warm_rounds=1, warm_replays=1,
+        est_min_ms=0.1, max_sets=2, max_r=4))
+    monkeypatch.setenv("DETGEMM_CUTE_AOT_DIR", "off")
+    real = measure.P.detgemm_call
+    tried = []
+
+    def call(op, dg, bucket=None):
+        fn = real(op, dg, bucket)
+        if bucket and "_s6" in bucket:            # these "fail to compile"
+            def broken(s):
+                tried.append(bucket)
+                raise RuntimeError("DSLRuntimeError: cannot build this tile")
+            return broken
+        return fn
+
+    monkeypatch.setattr(measure.P, "detgemm_call", call)
+    monkeypatch.setattr(kcompile, "cached_keys", lambda: [])
+    rc = cli.main(["tune", "--shapes", "8x64x48", "9x64x48", "10x64x48", "--jobs", "1",
+                   "--max-candidates", "12", "--out", str(tmp_path / "t.yaml"), "--aot-dir",
+                   str(tmp_path / "aot")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "could not be built" in text
+    assert tried and len(tried) == len(set(tried))       # each failing one tried on one problem

@@ -90,6 +90,19 @@ def _check_keys_once(problem, keys, seen_ops) -> None:
         log(f"op {problem.op}: the calls used the predicted kernel keys (loaded from the cache)")
 
 
+def _note_unbuildable(op, cands, keys, rec, dead) -> None:
+    """Candidates whose kernel could not be built (an error at first call and no compiled
+    kernel): left out of the later problems instead of failing to compile again each time."""
+    from .. import compile as kcompile
+
+    have = set(kcompile.cached_keys())
+    for c, k in zip(cands, keys):
+        why = rec["errors"].get(c.name)
+        if why and c.name not in rec["bad_bits"] and k not in have and (op, c.name) not in dead:
+            dead[(op, c.name)] = why
+            log(f"{op} candidate {c.name} could not be built ({why[:200]}); left out from now on")
+
+
 def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
                 rejected=None) -> int:
     import torch
@@ -124,7 +137,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
         log(f"compiling {queued} kernels in {jobs} processes (cached: "
             f"{pool.stats()['cached']})")
     bar = Progress(len(todo), "problems")
-    seen_ops, last_dt, stopped, worker_failures = set(), 0.0, None, {}
+    seen_ops, last_dt, stopped, worker_failures, dead = set(), 0.0, None, {}, {}
     try:
         with torch.no_grad():
             for i, p in enumerate(todo):
@@ -134,7 +147,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
                               f"problems timed in this run"
                     break
                 t0 = time.time()
-                cands = list(plan[p])
+                cands = [c for c in plan[p] if (p.op, c.name) not in dead or c is plan[p][0]]
                 if pool is not None:
                     # A kernel a worker could not build is compiled here on first use (its
                     # error, if it is the kernel's own, is then recorded for that candidate).
@@ -175,6 +188,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
                     continue
                 _check_keys_once(p, [k for c, k in zip(plan[p], keys[p]) if c.name in
                                      rec["cands"]], seen_ops)
+                _note_unbuildable(p.op, plan[p], keys[p], rec, dead)
                 store.append(args.resume, rec)
                 records.append(rec)
                 last_dt = time.time() - t0
@@ -238,6 +252,7 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
     if args.json:
         write_json(args.json, {
             "meta": {**meta, "arch": arch, "gpu_arch": gpu_arch, "dtype": args.dtype,
+                     "unbuildable_candidates": {f"{o} {n}": w for (o, n), w in dead.items()},
                      "jobs": jobs, "aot_dir": aot_dir, "stopped": stopped,
                      "rejected_candidates": rejected, "elapsed_s": round(time.time() - t_start, 1),
                      "tolerance": args.tolerance, "max_buckets": args.max_buckets},
