@@ -99,7 +99,7 @@ def test_fsdp2_runs_are_identical_with_sharded_fp32_parameters(ranks):
         f = r["fsdp"]
         assert all_same(*f["weights"]) and all_same(*f["losses"])
         assert all(d == torch.float32 for d in f["dtypes"])
-        assert all(str(p) == "(Shard(dim=0),)" for p in map(str, f["sharded"]))
+        assert all(str(p) == "(Shard(dim=0),)" for p in f["sharded"])
     assert all_same(ranks[0]["fsdp"]["weights"][0], ranks[1]["fsdp"]["weights"][0])
 
 
