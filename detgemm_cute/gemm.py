@@ -140,6 +140,8 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k):
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
               else dispatch.lookup(op, dtype, arch, m, n, k))
     a_unit, b_contig = _unit_dim(a), _unit_dim(b)
+    if a_unit == "first" and bucket.tile[0] < 64:
+        a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
     stage_a, stage_b = a_unit is None, b_contig is None
     a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
     if stage_b:  # staged B is [N, K] K-major

@@ -85,7 +85,8 @@ FAULTS = [
      ["dup_name.yaml:9: bucket 'twice': field 'name': name already used by the bucket at "
       "line 3"]),
     ("tile96.yaml", cfg(bucket("odd", tile="[96, 64, 64]")),
-     ["tile96.yaml:7: bucket 'odd': field 'tile': tile M must be one of (64, 128), got 96"]),
+     ["tile96.yaml:7: bucket 'odd': field 'tile': tile M must be one of (8, 16, 32, 64, 128), "
+      "got 96"]),
     ("deep.yaml", cfg(bucket("deep", tile="[128, 256, 64]", stages=5)),
      ["deep.yaml:8: bucket 'deep': field 'stages'", "more than 232448", "at most 4 stages fit"]),
 ]
@@ -243,7 +244,8 @@ def test_stages_at_the_shared_memory_boundary(tmp_path, capsys, tile):
 
 
 @pytest.mark.parametrize("tile, stages, words", [
-    ("[64, 48, 64]", 4, "field 'tile': tile N must be one of (16, 32, 64, 128, 192, 256), got 48"),
+    ("[64, 40, 64]", 4, "field 'tile': tile N must be one of (8, 16, 32, 48, 64, 80, 96, 112, "
+                        "128, 160, 192, 224, 256), got 40"),
     ("[64, 64, 32]", 4, "field 'tile': tile K must be one of (64, 128), got 32"),
     ("[64, 64, 64]", 1, "field 'stages': stages must be in [2, 16], got 1"),
     ("[64, 16, 64]", 17, "field 'stages': stages must be in [2, 16], got 17"),

@@ -21,6 +21,13 @@ accumulator it held, so continuing from it is the same chain as never having sto
 two consumer warpgroups run WGMMA and the epilogue, over a static persistent tile schedule).
 They differ only in which tile a CTA runs when, never in the arithmetic of a tile.
 
+Row tiles (BM = 8, 16 or 32, for decode): WGMMA always computes 64 rows, so a row tile keeps a
+64-row shared A tile per stage whose rows BM..63 are zeroed once at kernel start; TMA loads
+only the BM rows that belong to the tile (K-major A), and only those BM rows are stored. A
+stage then carries BM rows of X next to the weight tile instead of a 64-row box that is
+mostly zero fill. The zero rows feed products into accumulator rows that are never stored;
+each stored row is the same chain as with a 64-row tile.
+
 Epilogue: optional bias is converted to fp32 and added to the fp32 accumulator, then each
 value is rounded once (round-to-nearest-even) to the output dtype and stored through shared
 memory with TMA.
@@ -55,6 +62,8 @@ class _Sm90Base:
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
+        self.row_tile = tile[0] < self.mma_m
         self.accumulate = accumulate
         self.cluster_shape_mn = tuple(cluster)
         self.ab_stage = stages
@@ -65,7 +74,9 @@ class _Sm90Base:
         self.atom_layout_mnk = (self.mma_warp_groups, 1, 1)
         self.num_mma_threads = _WG * self.mma_warp_groups
         self.threads_per_cta = _WG * (self.mma_warp_groups + self.producer_warpgroups)
-        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1])
+        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1])  # staged through smem
+        # Stored per epilogue sub-tile: a row tile stores only its BM rows.
+        self.store_tile = (min(tile[0], self.epi_tile[0]), self.epi_tile[1])
         self.buffer_align_bytes = 1024
         self.is_a_mcast = cluster[1] > 1
         self.is_b_mcast = cluster[0] > 1
@@ -89,21 +100,30 @@ class _Sm90Base:
             self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
 
-        a_smem = sm90_utils.make_smem_layout_a(
-            self.a_layout, self.tile_shape_mnk, self.a_dtype, self.ab_stage)
+        bm, bn, bk = self.tile_shape_mnk
+        mma_tile = (self.mma_m, bn, bk)
+        if cutlass.const_expr(self.row_tile):
+            # Rows outermost, so the BM rows TMA loads are a prefix of each stage.
+            a_smem = self._row_major_a_smem(self.mma_m)
+            a_load = self._row_major_a_smem(bm)
+        else:
+            a_smem = sm90_utils.make_smem_layout_a(
+                self.a_layout, mma_tile, self.a_dtype, self.ab_stage)
+            a_load = a_smem
         b_smem = sm90_utils.make_smem_layout_b(
-            self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stage)
+            self.b_layout, mma_tile, self.b_dtype, self.ab_stage)
         epi_smem = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
-        self.tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
+        epi_store = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.store_tile, self.epi_stage)
+        self.tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_load, (None, None, 0)))
                           + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
 
-        bm, bn, bk = self.tile_shape_mnk
-        tma_atom_a, tma_a = self._tma_load(mA, a_smem, (bm, bk), self.cluster_shape_mn[1])
+        tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
         tma_atom_b, tma_b = self._tma_load(mB, b_smem, (bn, bk), self.cluster_shape_mn[0])
         tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
-            cute.slice_(epi_smem, (None, None, 0)), self.epi_tile)
+            cute.slice_(epi_store, (None, None, 0)), self.store_tile)
 
         @cute.struct
         class SharedStorage:
@@ -123,6 +143,14 @@ class _Sm90Base:
                     ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
                              cluster=(*self.cluster_shape_mn, 1), stream=stream,
                              **extra_launch)
+
+    def _row_major_a_smem(self, rows):
+        """K-major A stages with the 8-row swizzle atoms ordered K first, rows outermost:
+        the first `rows` rows of a stage are then one contiguous prefix (row tiles only)."""
+        bk = self.tile_shape_mnk[2]
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.a_layout, self.a_dtype, bk), self.a_dtype)
+        return cute.tile_to_shape(atom, (rows, bk, self.ab_stage), order=(1, 0, 2))
 
     @staticmethod
     def _tma_load(tensor, smem_layout_staged, smem_tile, mcast):
@@ -164,6 +192,8 @@ class _Sm90Base:
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
         )
+        if cutlass.const_expr(self.row_tile):
+            self._zero_row_tile_padding(storage)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -173,16 +203,41 @@ class _Sm90Base:
         bm, bn, bk = self.tile_shape_mnk
         gA = cute.local_tile(mA_mk, (bm, bk), (None, None))  # (BM, BK, tiles_m, tiles_k)
         gB = cute.local_tile(mB_nk, (bn, bk), (None, None))  # (BN, BK, tiles_n, tiles_k)
+        sA_load = sA
+        if cutlass.const_expr(self.row_tile):
+            sA_load = cute.flat_divide(sA, (bm, bk))[(None, None, 0, 0, None)]  # BM-row prefix
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, cluster_coord[1],
             cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, cluster_coord[0],
             cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         k_tiles = cute.size(gA, mode=[3])
         return ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles
+
+    @cute.jit
+    def _zero_row_tile_padding(self, storage):
+        """Row tiles: zero rows BM..63 of every A stage once (TMA never writes them), with
+        16-byte stores from every thread, then make them visible to WGMMA (async proxy)."""
+        bm, _, bk = self.tile_shape_mnk
+        row_words = bk * self.a_dtype.width // 32
+        stage_words = self.mma_m * row_words
+        chunks = (self.mma_m - bm) * row_words // 4  # 16-byte chunks of padding per stage
+        base = cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32) + bm * row_words
+        pad = cute.make_tensor(base, cute.make_layout((4, chunks, self.ab_stage),
+                                                      stride=(1, 4, stage_words)))
+        zero = cute.make_rmem_tensor((4,), cutlass.Int32)
+        zero.fill(0)
+        tidx, _, _ = cute.arch.thread_idx()
+        total = chunks * self.ab_stage
+        for i in cutlass.range_constexpr(-(-total // self.threads_per_cta)):
+            c = tidx + i * self.threads_per_cta
+            if c < total:
+                cute.autovec_copy(zero, pad[(None, c % chunks, c // chunks)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
 
     @cute.jit
     def _load_k_tile(self, ab_pipeline, state, tma_atom_a, tAgA_k, tAsA, a_mask,
@@ -241,25 +296,35 @@ class _Sm90Base:
         acc.fill(0.0)
         if cutlass.const_expr(self.accumulate):
             bm, bn, _ = self.tile_shape_mnk
-            gC = cute.local_tile(mC_in, (bm, bn), (tile_m, tile_n))
-            cC = cute.local_tile(cute.make_identity_tensor(mC_in.shape), (bm, bn),
-                                 (tile_m, tile_n))
-            tCgC = thr_mma_thread.partition_C(gC)
-            tCcC = thr_mma_thread.partition_C(cC)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if cute.elem_less(tCcC[i], mC_in.shape):
-                    acc[i] = tCgC[i]
+            if cutlass.const_expr(self.row_tile):
+                # Accumulator rows BM..63 are padding: they stay 0 and are never stored.
+                cC = cute.make_identity_tensor((self.mma_m, bn))
+                tCcC = thr_mma_thread.partition_C(cC)
+                m0, n0 = tile_m * bm, tile_n * bn
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, c = tCcC[i]
+                    if r < bm and cute.elem_less((m0 + r, n0 + c), mC_in.shape):
+                        acc[i] = mC_in[(m0 + r, n0 + c)]
+            else:
+                gC = cute.local_tile(mC_in, (bm, bn), (tile_m, tile_n))
+                cC = cute.local_tile(cute.make_identity_tensor(mC_in.shape), (bm, bn),
+                                     (tile_m, tile_n))
+                tCgC = thr_mma_thread.partition_C(gC)
+                tCcC = thr_mma_thread.partition_C(cC)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if cute.elem_less(tCcC[i], mC_in.shape):
+                        acc[i] = tCgC[i]
 
     @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
         """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
         n_total = cute.size(mC_mn, mode=[1])
-        bm, bn, _ = self.tile_shape_mnk
-        cC = cute.local_tile(cute.make_identity_tensor(mC_mn.shape), (bm, bn), (tile_m, tile_n))
-        tCcC = thr_mma_thread.partition_C(cC)
+        _, bn, _ = self.tile_shape_mnk
+        # Column coordinates of this thread's fragment (rows do not matter for the bias).
+        tCcC = thr_mma_thread.partition_C(cute.make_identity_tensor((self.mma_m, bn)))
         for i in cutlass.range_constexpr(cute.size(acc)):
             # Columns past N are clipped by the TMA store; clamp so the load stays in bounds.
-            n = cutlass.min(tCcC[i][1], n_total - 1)
+            n = cutlass.min(tile_n * bn + tCcC[i][1], n_total - 1)
             acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
 
     @cute.jit
@@ -268,8 +333,10 @@ class _Sm90Base:
         """Round once to the output dtype, stage through shared memory, TMA-store."""
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+        # stmatrix: four 8x8 matrices per warp, two when the sub-tile is 8 columns wide.
         copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(),
+                                              4 if self.epi_tile[1] > 8 else 2), self.c_dtype)
         tiled_copy_r2s = cute.make_tiled_copy_S(
             copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
@@ -280,9 +347,12 @@ class _Sm90Base:
         out = cute.make_rmem_tensor(rD_layout.shape, self.c_dtype)
         n_rd = cute.size(tRS_rD)
 
-        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        gC_epi = cute.zipped_divide(gC, self.store_tile)
+        sC_store = sC
+        if cutlass.const_expr(self.row_tile):
+            sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
@@ -301,8 +371,12 @@ class _Sm90Base:
             barrier.arrive_and_wait()
 
     def _epi_tiles(self):
-        bm, bn, _ = self.tile_shape_mnk
-        return (bm // self.epi_tile[0]) * (-(-bn // self.epi_tile[1]))
+        return (self.mma_m // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
+
+    def _acc_shape(self, thr_mma):
+        """This thread's accumulator fragment of one (mma rows, BN) tile."""
+        return thr_mma.partition_C(
+            cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1]))).shape
 
 
 class Sm90Gemm(_Sm90Base):
@@ -365,7 +439,7 @@ class Sm90Gemm(_Sm90Base):
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=_WG)(wg_idx))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         self._init_acc(acc, tiled_mma.get_slice(tidx), mC_in, tile_m, tile_n)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
@@ -453,8 +527,7 @@ class Sm90GemmPersistent(_Sm90Base):
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=_WG)(mma_wg))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC_all[(None, None, 0, 0)]).shape,
-                                    self.acc_dtype)
+        acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
         if wg_idx < self.producer_warpgroups:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from . import limits_common
 
-TILE_M = (64, 128)
-TILE_N = (16, 32, 64, 128, 192, 256)
+# BM < 64 ("row tiles", for decode): WGMMA still computes 64 rows, but TMA loads only BM
+# rows of A into a 64-row shared tile whose other rows stay zero, and only BM rows are
+# stored, so a stage carries BM rows of X instead of a 64-row box that is mostly zero fill.
+TILE_M = (8, 16, 32, 64, 128)
+# Any multiple of 8 WGMMA takes (n8..n256) whose epilogue sub-tile (32, 16 or 8 columns)
+# divides it; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120).
+TILE_N = (8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 TILE_K = (64, 128)
 CLUSTER_DIMS = (1, 2)
 MAX_CLUSTER_SIZE = 2
@@ -26,10 +31,18 @@ def epi_stages(out_bytes: int) -> int:
     return EPI_BYTES_PER_ROWCOL // out_bytes
 
 
+def mma_rows(tile_m: int) -> int:
+    """Rows WGMMA computes per tile: BM, or 64 for a row tile (BM < 64)."""
+    return max(64, tile_m)
+
+
 def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
-    """Sub-tile the epilogue stages through shared memory (rows, cols)."""
-    rows = min(128, tile_m) if _two_warpgroups(tile_m, tile_n) else min(64, tile_m)
-    return rows, min(32, tile_n)
+    """Sub-tile the epilogue stages through shared memory (rows, cols): rows of the
+    accumulator (64 or 128), and the widest of 32/16/8 columns that divides BN."""
+    m = mma_rows(tile_m)
+    rows = min(128, m) if _two_warpgroups(tile_m, tile_n) else min(64, m)
+    cols = next(c for c in (32, 16, 8) if tile_n % c == 0)
+    return rows, cols
 
 
 def _two_warpgroups(tile_m: int, tile_n: int) -> bool:
@@ -46,7 +59,8 @@ def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
     buffer (its own region of the same size for every output dtype)."""
     bm, bn, bk = tile
     er, ec = epilogue_tile(bm, bn)
-    return stages * (bm + bn) * bk * IN_BYTES + BARRIER_BYTES + EPI_BYTES_PER_ROWCOL * er * ec
+    return (stages * (mma_rows(bm) + bn) * bk * IN_BYTES + BARRIER_BYTES
+            + EPI_BYTES_PER_ROWCOL * er * ec)
 
 
 def max_stages(tile: tuple[int, int, int]) -> int:
