@@ -12,6 +12,13 @@ import pytest
 import torch
 
 DEV = "cuda"
+# The batch-invariance sweep: rows at every M below against M = 8192, on (N, K) pairs that
+# together reach every fwd bucket of each family's table (tests/test_dispatch.py checks
+# that on the CPU, so a table change that adds a bucket the sweep misses fails in CI).
+SWEEP_M = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512, 1000, 1024,
+           4096]
+SWEEP_NK = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512), (5120, 512),
+            (7168, 512), (1536, 1536), (20480, 512)]
 _DEFAULT_FAMILIES = ("sm90,sm80" if torch.cuda.is_available()
                      and torch.cuda.get_device_capability() == (9, 0) else "sm80")
 FAMILIES = [f for f in os.environ.get("DETGEMM_TEST_FAMILIES", _DEFAULT_FAMILIES).split(",")

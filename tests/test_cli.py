@@ -66,7 +66,7 @@ def test_explain_names_bucket_file_and_line(capsys):
     assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "100", "4096", "4096"]) == 0
     out = capsys.readouterr().out
     assert b.name in out and f"sm90.yaml:{b.line}" in out
-    assert "M=100 in [65, 128], N=4096 in [1, 4096], K any" in out
+    assert "M=100 in [65, 128], N=4096 in [1281, 4096], K any" in out
 
 
 def test_explain_with_config_shows_shadowed(capsys):
@@ -74,9 +74,9 @@ def test_explain_with_config_shows_shadowed(capsys):
     assert cli.main(["explain", "--config", str(path), "4", "64", "64"]) == 0
     out = capsys.readouterr().out
     assert "my_decode" in out and "user_small_m.yaml:4" in out
-    assert "shadows: fwd_decode_narrow_n" in out
+    assert "shadows: fwd_decode_m1_16_n1_2304" in out
     # The CLI's layers do not leak into the process-wide registry.
-    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode_narrow_n"
+    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode_m1_16_n1_2304"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -91,7 +91,7 @@ def test_explain_errors_are_one_line_messages(capsys, argv, words):
 
 
 @pytest.mark.parametrize("op, dims, bucket", [
-    ("dx", ["8192", "4096", "1024"], "dx_large"),
+    ("dx", ["8192", "4096", "1024"], "dx_m4097_up_n3329_up"),
     ("dw", ["4096", "8", "16384"], "dw_bias"),
     ("dw", ["4096", "4096", "16384"], "dw_large"),
 ])
@@ -120,7 +120,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     assert cli.main(["compile"]) == 3
     assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "a", "--bucket", "b",
                      "--config", str(FIXTURES / "user_small_m.yaml")]) == 3
-    assert calls == [("sm_90a", None, "fwd_decode_narrow_n"), ("sm_90a", ["a", "b"], "my_decode")]
+    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2304"), ("sm_90a", ["a", "b"], "my_decode")]
 
 
 def test_compile_with_a_broken_config(capsys):

@@ -14,13 +14,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
                 allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from gpu_helpers import bits, current_family, family, poison, same_bits  # noqa: E402,F401
+from gpu_helpers import (SWEEP_M, SWEEP_NK, bits, current_family, family,  # noqa: E402,F401
+                         poison, same_bits)
 from detgemm_cute import dispatch, registry  # noqa: E402
 
 DEV = "cuda"
-M_LIST = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512, 1000, 1024, 4096]
-# (N, K) pairs that reach every built-in bucket's N/K conditions.
-NK_LIST = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512)]
+M_LIST = SWEEP_M
+NK_LIST = SWEEP_NK  # (N, K) pairs that reach every built-in bucket's N/K conditions
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

@@ -20,8 +20,9 @@ from gpu_helpers import poison, rand, same_bits  # noqa: E402
 
 # (tile, stages, persistent, cluster)
 TILES = [
-    ((8, 8, 128), 12, False, (1, 1)),
-    ((8, 16, 128), 10, True, (1, 1)),
+    ((16, 8, 128), 12, False, (1, 1)),
+    ((16, 16, 128), 10, True, (1, 1)),
+    ((8, 64, 128), 6, True, (1, 1)),
     ((8, 32, 128), 8, True, (1, 2)),
     ((16, 32, 128), 8, False, (1, 1)),
     ((16, 48, 128), 7, True, (1, 1)),
@@ -42,7 +43,7 @@ def _name(tile, stages, persistent, cluster):
 
 
 @pytest.fixture(scope="module")
-def forced_layer(tmp_path_factory):
+def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
     for i, (tile, stages, persistent, cluster) in enumerate(TILES):
         for op in ("fwd", "dx", "dw"):
@@ -53,9 +54,12 @@ def forced_layer(tmp_path_factory):
                       f"    persistent: {str(persistent).lower()}"]
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
     path.write_text("\n".join(lines) + "\n")
-    registry.add_config(path)
-    yield
-    registry.reset_user_configs()
+    return path
+
+
+@pytest.fixture
+def forced_layer(layer_file):
+    registry.add_config(layer_file)  # conftest removes user layers after every test
 
 
 def _forced(op, spec, fn):

@@ -71,6 +71,12 @@ def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     problems = limits_common.tile_and_stage_problems(
         tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
+    if not problems and tile[0] == 8 and tile[1] % 32:
+        # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
+        # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0
+        # were right. Refused until that is understood; BM 16 is as fast there.
+        problems.append(("tile", f"a BM 8 row tile needs BN a multiple of 32, got {tile[1]}; "
+                                 f"use BM 16 for narrower N tiles"))
     cm, cn = cluster
     if cm not in CLUSTER_DIMS or cn not in CLUSTER_DIMS or cm * cn > MAX_CLUSTER_SIZE:
         problems.append(
