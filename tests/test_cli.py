@@ -74,9 +74,9 @@ def test_explain_with_config_shows_shadowed(capsys):
     assert cli.main(["explain", "--config", str(path), "4", "64", "64"]) == 0
     out = capsys.readouterr().out
     assert "my_decode" in out and "user_small_m.yaml:4" in out
-    assert "shadows: fwd_decode_m1_16_n1_2304" in out
+    assert "shadows: fwd_decode_m1_16_n1_2112" in out
     # The CLI's layers do not leak into the process-wide registry.
-    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode_m1_16_n1_2304"
+    assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -120,7 +120,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     assert cli.main(["compile"]) == 3
     assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "a", "--bucket", "b",
                      "--config", str(FIXTURES / "user_small_m.yaml")]) == 3
-    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2304"), ("sm_90a", ["a", "b"], "my_decode")]
+    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2112"), ("sm_90a", ["a", "b"], "my_decode")]
 
 
 def test_compile_with_a_broken_config(capsys):

@@ -69,15 +69,15 @@ def test_warm_lookup_is_a_dict_hit(monkeypatch):
 
 def test_memo_is_cleared_when_configs_change():
     g0 = D.generation()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2304"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"
     R.add_config(FIXTURES / "user_small_m.yaml")
     assert D.generation() != g0
     assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "my_decode"
-    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2304"  # bf16-only bucket
+    assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"  # bf16-only bucket
     user = D.lookup("fwd", "fp16", "sm90", 32, 64, 64)
     assert user.name == "fwd_small_m" and user.layer == 1 and user.tile == (64, 128, 64)
     R.reset_user_configs()
-    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2304"
+    assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"
     assert D.lookup("fwd", "fp16", "sm90", 32, 64, 64).layer == 0
 
 
@@ -89,10 +89,10 @@ def test_last_added_layer_wins_and_explain_shows_shadowing(tmp_path):
     ex = D.explain("fwd", "bf16", "sm90", 55, 8, 8)
     assert (ex.bucket.name, ex.layer, ex.line) == ("second", 2, 3)
     assert ex.source == tmp_path / "two.yaml"
-    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_decode_m33_64_n1_2304", 0)]
+    assert [(b.name, b.layer) for b in ex.shadowed] == [("first", 1), ("fwd_decode_m33_64_n1_1536", 0)]
     text = str(ex)
     assert "second (" in text and "two.yaml:3" in text and "layer 2 = user 2" in text
-    assert "shadows: first" in text and "shadows: fwd_decode_m33_64_n1_2304" in text
+    assert "shadows: first" in text and "shadows: fwd_decode_m33_64_n1_1536" in text
 
 
 def test_same_name_shadowing_is_explained():
@@ -100,7 +100,7 @@ def test_same_name_shadowing_is_explained():
     assert D.bucket_by_name("sm90", "fwd_small_m").layer == 1
     ex = D.explain("fwd", "bf16", "sm90", 20, 8, 8)
     assert ex.bucket.layer == 1
-    assert ex.shadowed[0].name == "fwd_decode_m17_32_n1_2304"
+    assert ex.shadowed[0].name == "fwd_decode_m17_32_n1_2112"
     assert ex.shadowed[0].layer == 0
     assert [(b.name, b.layer) for b in ex.same_name] == [("fwd_small_m", 0)]
     assert "hides:   fwd_small_m (" in str(ex)
@@ -213,11 +213,11 @@ def test_use_family_validates_and_restores():
 
 
 def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
-    R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_m1_16_n1_2304", "[2000, 3000]"))
+    R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_m1_16_n1_2112", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
     assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_large_short_k"]
     assert [b.layer for b in ex.same_name] == [0]
-    assert "hides:   fwd_decode_m1_16_n1_2304 (" in str(ex) and "same name" in str(ex)
+    assert "hides:   fwd_decode_m1_16_n1_2112 (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served
 
 

@@ -333,10 +333,8 @@ class _Sm90Base:
         """Round once to the output dtype, stage through shared memory, TMA-store."""
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-        # stmatrix: four 8x8 matrices per warp, two when the sub-tile is 8 columns wide.
         copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(),
-                                              4 if self.epi_tile[1] > 8 else 2), self.c_dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
         tiled_copy_r2s = cute.make_tiled_copy_S(
             copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)

@@ -13,9 +13,10 @@ from . import limits_common
 # rows of A into a 64-row shared tile whose other rows stay zero, and only BM rows are
 # stored, so a stage carries BM rows of X instead of a 64-row box that is mostly zero fill.
 TILE_M = (8, 16, 32, 64, 128)
-# Any multiple of 8 WGMMA takes (n8..n256) whose epilogue sub-tile (32, 16 or 8 columns)
-# divides it; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120).
-TILE_N = (8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Multiples of 16 WGMMA takes (n16..n256) whose epilogue sub-tile (32 or 16 columns) divides
+# them; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120). BN 8
+# (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
+TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 TILE_K = (64, 128)
 CLUSTER_DIMS = (1, 2)
 MAX_CLUSTER_SIZE = 2
@@ -38,10 +39,10 @@ def mma_rows(tile_m: int) -> int:
 
 def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
     """Sub-tile the epilogue stages through shared memory (rows, cols): rows of the
-    accumulator (64 or 128), and the widest of 32/16/8 columns that divides BN."""
+    accumulator (64 or 128), and the wider of 32/16 columns that divides BN."""
     m = mma_rows(tile_m)
     rows = min(128, m) if _two_warpgroups(tile_m, tile_n) else min(64, m)
-    cols = next(c for c in (32, 16, 8) if tile_n % c == 0)
+    cols = next(c for c in (32, 16) if tile_n % c == 0)
     return rows, cols
 
 
