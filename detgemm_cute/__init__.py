@@ -9,12 +9,13 @@ result depends only on that row of the input and on the weight.
 from __future__ import annotations
 
 from . import nn
+from .batched_ops import baddbmm, bmm, grouped_mm
 from .functional import addmm, bias_grad, input_grad, linear, mm, weight_grad
 from .gemm import force_bucket, use_family
 from .mode import batch_invariant_mode, disable, enable, report, reset_report
 
 __version__ = "0.1.0"
 
-__all__ = ["mm", "addmm", "linear", "input_grad", "weight_grad", "bias_grad", "nn",
+__all__ = ["mm", "addmm", "linear", "bmm", "baddbmm", "grouped_mm", "input_grad", "weight_grad", "bias_grad", "nn",
            "batch_invariant_mode", "enable", "disable", "report", "reset_report",
            "force_bucket", "use_family", "__version__"]

@@ -50,6 +50,14 @@ def _variants(bucket, which: str):
                     yield dict(dtype=dtype, out_dtype="fp32", a_major=a_major, b_form=b_form,
                                b_contig=b_contig, has_bias=False, accumulate=acc)
         return
+    if bucket.op == "bmm":  # one launch per batch: q @ k^T (B a transposed view), p @ v
+        layouts = _LAYOUTS if which == "all" else (("k", "kn", "first"), ("k", "kn", "last"))
+        for dtype in bucket.dtypes:
+            for out in ((dtype,) if which == "core" else (dtype, "fp32")):
+                for a_major, b_form, b_contig in layouts:
+                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
+                               b_contig=b_contig, has_bias=False, batched=True)
+        return
     core = ("k", "nk", "last", True) if bucket.op == "fwd" else ("k", "kn", "last", False)
     for dtype in bucket.dtypes:
         if which == "core":
@@ -102,7 +110,8 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                 key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
                 label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
-                         + (" acc" if call.get("accumulate") else ""))
+                         + (" acc" if call.get("accumulate") else "")
+                         + (" batched" if call.get("batched") else ""))
                 t0 = time.time()
                 total += 1
                 if key in done:

@@ -42,6 +42,7 @@ class KernelKey:
     has_bias: bool
     arch: str = "sm_90a"
     accumulate: bool = False  # start from the fp32 values in C (dW +=) instead of +0.0
+    batched: bool = False  # A, B, C are [L, ., .] batches (bmm), one launch for all entries
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -67,11 +68,14 @@ def _make_fakes(key: KernelKey):
     # A and B get their own K: a staged (zero-padded) operand may be longer in K than the
     # other; the kernel counts k tiles from A and TMA zero-fills B past its end.
     m, n, k_a, k_b = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    batch = cute.sym_int() if key.batched else None
 
     def fake(dtype, shape, unit_last):
         div = _ALIGN_BYTES * 8 // dtype.width
         s = cute.sym_int64(divisibility=div)
         stride = (s, 1) if unit_last else (1, s)
+        if batch is not None:  # torch order [L, rows, cols], any 16-byte-aligned batch stride
+            shape, stride = (batch, *shape), (cute.sym_int64(divisibility=div), *stride)
         return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
 
     a = fake(in_t, (m, k_a), key.a_major == "k")

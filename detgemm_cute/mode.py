@@ -14,8 +14,9 @@ routes nothing on its own (`routed_devices()` says what is routed).
 
 Semantics kept: ``addmm``/``baddbmm``/``addmv`` with beta=alpha=1 and a bias row add the bias
 in fp32 before the one rounding; other beta/alpha compute ``alpha * (A @ B) + beta * self``
-in fp32 from the fp32 GEMM result and round once. ``bmm`` runs one GEMM per batch entry (the
-same chain per entry; the batch count changes nothing). The dispatch table follows the
+in fp32 from the fp32 GEMM result and round once. ``bmm``/``baddbmm`` run the whole batch in
+one launch (`batched`: the same chain per entry; the batch count changes nothing), and
+``_grouped_mm`` (mixture-of-experts) runs `batched_ops.grouped_mm`. The dispatch table follows the
 operand layout: a transposed A is a dW-shaped GEMM (``dw`` table), a ``[K, N]``-contiguous B
 a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bits.
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import batched
+from .batched_ops import _grouped_impl, bias_row
 from .gemm import arch_of, gemm
 
 _IN = (torch.bfloat16, torch.float16)
@@ -161,14 +164,8 @@ def _addmm_value(self, m1, m2, beta, alpha):
     return _scaled(_mm2d(m1, m2, out_dtype=torch.float32), self, beta, alpha, m1.dtype)
 
 
-def _bmm_value(b1, b2, out=None, out_dtype=None):
-    lb, m, _ = b1.shape
-    n = b2.shape[2]
-    res = out if out is not None else torch.empty((lb, m, n), dtype=out_dtype or b1.dtype,
-                                                  device=b1.device)
-    for i in range(lb):
-        _mm2d(b1[i], b2[i], out=res[i], out_dtype=out_dtype)
-    return res
+def _bmm_value(b1, b2, out_dtype=None, bias=None):
+    return batched.bmm(b1, b2, bias, out_dtype)
 
 
 def _ok_2d(a, b):
@@ -237,6 +234,9 @@ def _bmm_out(a, b, *, out):
 
 
 def _baddbmm_value(self, b1, b2, beta, alpha):
+    row = bias_row(self, b2.shape[2]) if beta == 1 and alpha == 1 else None
+    if row is not None and row.dtype == b1.dtype:
+        return _bmm_value(b1, b2, bias=row)
     y32 = _bmm_value(b1, b2, out_dtype=torch.float32)
     return _scaled(y32, self, beta, alpha, b1.dtype)
 
@@ -262,6 +262,13 @@ def _baddbmm_(self, b1, b2, *, beta=1, alpha=1):
     return self.copy_(_baddbmm_value(self, b1, b2, beta, alpha))
 
 
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    if bias is not None or a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        raise _Fallback
+    _route("_grouped_mm", a, b)
+    return _grouped_impl(a, b, offs, out_dtype, "aten::_grouped_mm")
+
+
 def _mv(a, v):
     if a.dim() != 2 or v.dim() != 1 or a.shape[1] != v.shape[0]:
         raise _Fallback
@@ -282,6 +289,8 @@ _REPLACEMENTS = {
     "addmm_": _addmm_, "bmm": _bmm, "bmm.out": _bmm_out, "baddbmm": _baddbmm,
     "baddbmm.out": _baddbmm_out, "baddbmm_": _baddbmm_, "mv": _mv, "addmv": _addmv,
 }
+if hasattr(torch.ops.aten, "_grouped_mm"):  # torch >= 2.8
+    _REPLACEMENTS["_grouped_mm"] = _grouped_mm
 
 
 def _kernel(name, fn, original):

@@ -25,7 +25,7 @@ import yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
-OPS = ("fwd", "dx", "dw")
+OPS = ("fwd", "dx", "dw", "bmm")
 DTYPES = ("bf16", "fp16")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
 LIMITS_MODULES = {"sm90": "kernels.sm90_limits", "sm80": "kernels.sm80_limits"}

@@ -52,7 +52,7 @@ def test_builtin_buckets_pass_kernel_limits_and_carry_lines():
 def test_get_registry_is_cached_and_ordered():
     r = R.get_registry("sm90")
     assert R.get_registry("sm90") is r
-    assert r.ops == ("fwd", "dx", "dw")
+    assert r.ops == ("fwd", "dx", "dw", "bmm")
     assert r.buckets == R.load_builtin("sm90").buckets
     assert [b.name for b in r.table("fwd", "bf16")] == [b.name for b in r.buckets if b.op == "fwd"]
     with pytest.raises(ValueError, match="unknown op"):

@@ -41,7 +41,7 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 
 from . import sm80_limits
-from .operands import b_as_nk
+from .operands import b_as_nk, with_batch_mode
 
 _VEC = 8  # 16-bit elements per 16-byte cp.async
 _MMA_SHAPE = (16, 8, 16)
@@ -75,7 +75,9 @@ class Sm80Gemm:
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
                  mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
         # max_clusters only sizes SM90's persistent grid; one CTA per tile needs no cap.
-        mB = b_as_nk(mB_in, self.b_is_kn)
+        # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
+        mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
+            with_batch_mode(mC)
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -109,7 +111,7 @@ class Sm80Gemm:
 
         self.shared_storage = SharedStorage
         grid = (cute.ceil_div(cute.size(mC, mode=[0]), bm),
-                cute.ceil_div(cute.size(mC, mode=[1]), bn), 1)
+                cute.ceil_div(cute.size(mC, mode=[1]), bn), cute.size(mC, mode=[2]))
         self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle,
                     copy_a, copy_b, s2r_a, s2r_b, tiled_mma,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -205,7 +207,7 @@ class Sm80Gemm:
                     tCgC[i] = out[i]
 
     @cute.kernel
-    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+    def kernel(self, mA_mkl: cute.Tensor, mB_nkl: cute.Tensor, mC_mnl: cute.Tensor,
                mBias: Optional[cute.Tensor],
                sA_layout: cute.Layout, sA_swizzle: cute.Swizzle,
                sB_layout: cute.Layout, sB_swizzle: cute.Swizzle,
@@ -213,7 +215,10 @@ class Sm80Gemm:
                s2r_atom_a: cute.CopyAtom, s2r_atom_b: cute.CopyAtom,
                tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
+        bidx, bidy, tile_l = cute.arch.block_idx()
+        # This CTA's batch entry; from here on the tile is that of a plain 2-D GEMM.
+        mA, mB, mC = (mA_mkl[(None, None, tile_l)], mB_nkl[(None, None, tile_l)],
+                      mC_mnl[(None, None, tile_l)])
         tiles_m, tiles_n, _ = cute.arch.grid_dim()
         tile_m, tile_n = self._raster(bidx, bidy, tiles_m, tiles_n)
         bm, bn, bk = self.tile_shape_mnk

@@ -45,7 +45,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from . import sm90_limits
-from .operands import b_as_nk
+from .operands import b_as_nk, with_batch_mode
 
 _WG = 128  # threads per warpgroup
 
@@ -85,7 +85,9 @@ class _Sm90Base:
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
                  mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
-        mB = b_as_nk(mB_in, self.b_is_kn)
+        # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
+        mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
+            with_batch_mode(mC)
 
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
@@ -201,8 +203,8 @@ class _Sm90Base:
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer,
                                    swizzle=epi_smem_layout_staged.inner)
         bm, bn, bk = self.tile_shape_mnk
-        gA = cute.local_tile(mA_mk, (bm, bk), (None, None))  # (BM, BK, tiles_m, tiles_k)
-        gB = cute.local_tile(mB_nk, (bn, bk), (None, None))  # (BN, BK, tiles_n, tiles_k)
+        gA = cute.local_tile(mA_mk, (bm, bk), (None, None, None))  # (BM, BK, tm, tk, L)
+        gB = cute.local_tile(mB_nk, (bn, bk), (None, None, None))  # (BN, BK, tn, tk, L)
         sA_load = sA
         if cutlass.const_expr(self.row_tile):
             sA_load = cute.flat_divide(sA, (bm, bk))[(None, None, 0, 0, None)]  # BM-row prefix
@@ -289,12 +291,13 @@ class _Sm90Base:
         return read, release, prod
 
     @cute.jit
-    def _init_acc(self, acc, thr_mma_thread, mC_in, tile_m, tile_n):
+    def _init_acc(self, acc, thr_mma_thread, mC_in_mnl, tile_m, tile_n, tile_l):
         """Start the chain: +0.0, or (dW +=) the fp32 values already in C, so this call
         continues exactly where the previous one stopped. Elements past M or N stay 0;
         the TMA store clips them."""
         acc.fill(0.0)
         if cutlass.const_expr(self.accumulate):
+            mC_in = mC_in_mnl[(None, None, tile_l)]
             bm, bn, _ = self.tile_shape_mnk
             if cutlass.const_expr(self.row_tile):
                 # Accumulator rows BM..63 are padding: they stay 0 and are never stored.
@@ -389,7 +392,7 @@ class Sm90Gemm(_Sm90Base):
         """One CTA per output tile, the grid rounded up to whole clusters."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         cluster_mnl = (*self.cluster_shape_mn, 1)
-        tiles = cute.append(cute.get(gc.layout, mode=[1]).shape, 1)
+        tiles = cute.get(gc.layout, mode=[1]).shape  # (tiles_m, tiles_n, L)
         grid = tuple(x * y for x, y in zip(cute.ceil_div(tiles, cluster_mnl), cluster_mnl))
         return grid, (), {}
 
@@ -423,22 +426,23 @@ class Sm90Gemm(_Sm90Base):
         in_cluster = cute.arch.block_in_cluster_idx()
         tile_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
         tile_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
+        _, _, tile_l = cute.arch.block_idx()  # batch entry (0 for a plain GEMM)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
-        tAgA_k = tAgA[(None, tile_m, None)]
-        tBgB_k = tBgB[(None, tile_n, None)]
+        tAgA_k = tAgA[(None, tile_m, None, tile_l)]
+        tBgB_k = tBgB[(None, tile_n, None, tile_l)]
         bm, bn, _ = self.tile_shape_mnk
-        gC = cute.local_tile(mC_mn, (bm, bn), (tile_m, tile_n))
+        gC = cute.local_tile(mC_mn, (bm, bn), (tile_m, tile_n, tile_l))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=_WG)(wg_idx))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
-        self._init_acc(acc, tiled_mma.get_slice(tidx), mC_in, tile_m, tile_n)
+        self._init_acc(acc, tiled_mma.get_slice(tidx), mC_in, tile_m, tile_n, tile_l)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
@@ -492,12 +496,12 @@ class Sm90GemmPersistent(_Sm90Base):
     def _schedule(self, mC, max_clusters):
         """At most max_clusters clusters (the GPU's SMs), each walking its tiles."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
-        tiles_mn = gc[(0, (None, None))].shape
+        tiles_mnl = gc[(0, (None, None, None))].shape
         # Plain M-major tile order: the DSL's swizzled order rounds the M tiles up to a
         # multiple of the swizzle and runs the padding tiles, which measured 2x slower at
         # M=512. Order only; no tile's arithmetic changes.
         sched = utils.PersistentTileSchedulerParams(
-            (*tiles_mn, 1), (*self.cluster_shape_mn, 1), self.swizzle, True)
+            tiles_mnl, (*self.cluster_shape_mn, 1), self.swizzle, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
         return grid, (sched,), {"min_blocks_per_mp": 1}
 
@@ -518,7 +522,7 @@ class Sm90GemmPersistent(_Sm90Base):
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
         bm, bn, _ = self.tile_shape_mnk
-        gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None))  # (BM, BN, tiles_m, tiles_n)
+        gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         mma_wg = wg_idx - self.producer_warpgroups
@@ -537,8 +541,8 @@ class Sm90GemmPersistent(_Sm90Base):
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
             while work.is_valid_tile:
                 tile = work.tile_idx
-                tAgA_k = tAgA[(None, tile[0], None)]
-                tBgB_k = tBgB[(None, tile[1], None)]
+                tAgA_k = tAgA[(None, tile[0], None, tile[2])]
+                tBgB_k = tBgB[(None, tile[1], None, tile[2])]
                 prod.reset_count()
                 for _k in cutlass.range(k_tiles, unroll=1):
                     self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
@@ -567,7 +571,7 @@ class Sm90GemmPersistent(_Sm90Base):
                 tile = work.tile_idx
                 read.reset_count()
                 release.reset_count()
-                self._init_acc(acc, tiled_mma.get_slice(mma_tidx), mC_in, tile[0], tile[1])
+                self._init_acc(acc, tiled_mma.get_slice(mma_tidx), mC_in, *tile)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
                                                   tCrA, tCrB, k_tiles, None)
@@ -577,7 +581,7 @@ class Sm90GemmPersistent(_Sm90Base):
                 if cutlass.const_expr(self.has_bias):
                     self._add_bias(acc, tiled_mma.get_slice(mma_tidx), mBias, mC_mn,
                                    tile[0], tile[1])
-                gC = gC_all[(None, None, tile[0], tile[1])]
+                gC = gC_all[(None, None, *tile)]
                 self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
                                c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
                                barrier)

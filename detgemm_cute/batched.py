@@ -1,0 +1,216 @@
+"""The eager batched GEMM path (bmm): validate, pick the bucket, stage what TMA cannot take,
+one launch for every batch entry.
+
+``C[l] = A[l] @ op(B[l]) (+ bias)`` for l in 0..L-1, each entry the same chain as `dg.mm` on
+that entry alone: the kernels take the batch as their L mode (grid z, or part of the
+persistent tile index), and a tile never spans two entries. So an entry's bits do not
+depend on L, on the other entries, or on the tile chosen.
+
+Layouts taken without copies: every entry's last two dims as `gemm` takes them (either dim
+contiguous), with a batch stride that is a multiple of 16 bytes. A weight shared by all
+entries (batch stride 0, e.g. ``w.expand(L, K, N)``) with a K-major A whose batch folds into
+its rows runs as one 2-D GEMM of L*M rows (the same chain per row). Anything else TMA cannot
+address is copied once into a K-major buffer (K zero-padded to a multiple of 8, which adds
+exact zero products: the bits do not change).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compile as kcompile
+from . import dispatch, registry
+from .errors import IN_DTYPES, MAX_DIM, OUT_DTYPES
+from .gemm import _ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, gemm
+
+_GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
+_plans: dict = {}
+
+
+def check_bmm_args(a, b, bias, out_dtype, op, names=("a", "b", "bias"), check_device=True):
+    """Validate C[l] = a[l] @ b[l] (+ bias): a [L, M, K], b [L, K, N], bias [N]."""
+    an, bn, biasn = names
+    for x, name in ((a, an), (b, bn)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if a.dtype not in IN_DTYPES:
+        raise TypeError(f"{op}: {an} must be torch.bfloat16 or torch.float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
+    if a.dim() != 3:
+        raise ValueError(f"{op}: {an} must be 3-D [L, M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 3:
+        raise ValueError(f"{op}: {bn} must be 3-D [L, K, N], got shape {tuple(b.shape)}")
+    if b.shape[0] != a.shape[0]:
+        raise ValueError(f"{op}: batch mismatch: {an} has L={a.shape[0]}, {bn} has "
+                         f"L={b.shape[0]} (shapes {tuple(a.shape)}, {tuple(b.shape)})")
+    if b.shape[1] != a.shape[2]:
+        raise ValueError(f"{op}: K mismatch: {an} has K={a.shape[2]} (shape {tuple(a.shape)}) "
+                         f"but {bn} has K={b.shape[1]} (shape {tuple(b.shape)})")
+    for dim_name, v in zip("LMKN", (*a.shape, b.shape[2])):
+        if v > MAX_DIM:
+            raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be one of torch.bfloat16, torch.float16, "
+                        f"torch.float32 or None, got {out_dtype}")
+    n = b.shape[2]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{op}: {biasn} must be a torch.Tensor, got {type(bias).__name__}")
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise ValueError(f"{op}: {biasn} must be 1-D of length N={n}, got shape "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != a.dtype:
+            raise TypeError(f"{op}: {biasn} must have dtype {a.dtype} like {an}, got {bias.dtype}")
+    if check_device and a.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{op}: {an} is on {a.device}; detgemm runs on CUDA tensors and on "
+                         f"CPU tensors (the bit-exact reference)")
+    for x, name in ((b, bn), (bias, biasn)):
+        if x is not None and x.device != a.device:
+            raise ValueError(f"{op}: {name} is on {x.device} but {an} is on {a.device}; "
+                             f"both must be on the same device")
+
+
+def _inner_unit(t: torch.Tensor) -> str | None:
+    """Which of the last two dims of a 3-D operand TMA can take as contiguous ("last" or
+    "first"), or None when it must be staged: as `gemm._unit_dim` per entry, plus a batch
+    stride that is a nonzero multiple of 16 bytes (or a single entry)."""
+    s0, s1, s2 = t.stride()
+    el = _ALIGN // t.element_size()
+    if t.data_ptr() % _ALIGN or (t.shape[0] > 1 and (s0 == 0 or s0 % el)):
+        return None
+    if s2 == 1 and s1 % el == 0:
+        return "last"
+    if s1 == 1 and s2 % el == 0 and t.shape[2] > 1:
+        return "first"
+    return None
+
+
+def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """A fresh [L, rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8."""
+    lb, rows, k = t.shape[0], t.shape[3 - k_dim], t.shape[k_dim]
+    kp = -(-k // 8) * 8
+    out = torch.zeros((lb, rows, kp), dtype=t.dtype, device=t.device)
+    out[:, :, :k].copy_(t if k_dim == 2 else t.transpose(1, 2))
+    return out
+
+
+class _Plan:
+    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters", "chunk")
+
+    def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters, chunk):
+        self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
+        self.pad_cols, self.max_clusters, self.chunk = pad_cols, max_clusters, chunk
+
+
+def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
+    arch = arch_of(a.device)
+    dtype = _NAMES[a.dtype]
+    forced = _forced.name
+    bucket = (dispatch.bucket_by_name(arch, forced) if forced
+              else dispatch.lookup("bmm", dtype, arch, m, n, k))
+    a_unit, b_unit = _inner_unit(a), _inner_unit(b)
+    if a_unit == "first" and bucket.tile[0] < 64:
+        a_unit = None  # row tiles load BM-row boxes of a K-major A
+    stage_a, stage_b = a_unit is None, b_unit is None
+    b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
+    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
+    pad_cols = -(-n // el) * el if n % el else 0
+    key = kcompile.KernelKey.for_bucket(
+        bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
+        else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
+        arch=_gpu_arch(arch, a.device), batched=True)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    chunk = lb if bucket.persistent and arch == "sm90" else _GRID_Z
+    return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, max_clusters, chunk)
+
+
+def _shared_weight_rows(a, b) -> bool:
+    """b is one [K, N] matrix for every entry and a's entries fold into L*M rows of a
+    K-major [L*M, K] view: the batch is then one 2-D GEMM (the same chain per row)."""
+    lb, m, _ = a.shape
+    return (lb > 1 and b.stride(0) == 0 and a.stride(2) == 1
+            and a.stride(0) == m * a.stride(1))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """C [L, M, N] = a [L, M, K] @ b [L, K, N] (+ bias [N]) per entry. Validated inputs.
+
+    `out` ([L, M, N] of out_dtype) receives the result: written in place when TMA can
+    address it, else copied in."""
+    lb, m, k = a.shape
+    n = b.shape[2]
+    out_dtype = out_dtype or a.dtype
+    if lb == 0 or m == 0 or n == 0 or k == 0:
+        r = torch.zeros((lb, m, n), dtype=torch.float32, device=a.device)
+        r = (r + bias.float() if bias is not None else r).to(out_dtype)
+        return r if out is None else out.copy_(r)
+    if a.device.type == "cpu":
+        c = _on_cpu(a, b, bias, out_dtype)
+        return c if out is None else out.copy_(c)
+    if _shared_weight_rows(a, b):
+        c2 = gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd")
+        c = c2.view(lb, m, n)
+        return c if out is None else out.copy_(c)
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.device, out_dtype,
+           not a.data_ptr() & 15, not b.data_ptr() & 15,
+           None if bias is None else (bias.dtype, bias.stride()), _forced.name, _forced.family)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, bias, out_dtype, lb, m, n, k)
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    if plan.stage_a:
+        a = _stage_k_major(a, 2)
+    if plan.stage_b:
+        b = _stage_k_major(b, 1)  # [L, N, Kp]: the "nk" form
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    if out is not None and not plan.pad_cols and out.dtype == out_dtype \
+            and _inner_unit(out) == "last":
+        c = out
+    elif plan.pad_cols:
+        c = torch.empty((lb, m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :, :n]
+    else:
+        c = torch.empty((lb, m, n), dtype=out_dtype, device=a.device)
+    dev = a.device.index
+    if dev is not None and dev != _current_device():
+        with torch.cuda.device(dev):
+            _launch(plan, a, b, c, bias, lb)
+    else:
+        _launch(plan, a, b, c, bias, lb)
+    if out is not None:
+        return out if c is out else out.copy_(c)
+    return c.contiguous() if plan.pad_cols else c
+
+
+def _launch(plan, a, b, c, bias, lb):
+    if lb <= plan.chunk:
+        plan.fn(a, b, c, bias, plan.max_clusters)
+        return
+    for s in range(0, lb, plan.chunk):
+        e = min(lb, s + plan.chunk)
+        plan.fn(a[s:e], b[s:e], c[s:e], bias, plan.max_clusters)
+
+
+def _on_cpu(a, b, bias, out_dtype):
+    """CPU tensors: the bit-exact reference, entry by entry."""
+    from . import reference
+
+    rows = [reference.mm(a[i], b[i], out_dtype=out_dtype) if bias is None
+            else reference.addmm(bias, a[i], b[i], out_dtype=out_dtype)
+            for i in range(a.shape[0])]
+    return torch.stack(rows)
+
+
+def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
+    check_bmm_args(a, b, bias, out_dtype, op_name, names)
+    return bmm(a, b, bias, out_dtype)
+
+
+registry.on_change(_plans.clear)
+
+__all__ = ["bmm", "checked_bmm", "check_bmm_args"]

@@ -1,0 +1,262 @@
+"""Batched and grouped GEMMs: the `torch.library` ops detgemm::bmm and detgemm::grouped_mm
+with fakes and autograd, and the public `bmm`, `baddbmm`, `grouped_mm`.
+
+`bmm` is one launch for the whole batch (see `batched`); every entry is the chain `dg.mm`
+computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
+
+- 2-D x 3-D with ``offs`` (mixture-of-experts): a [T, K] rows sorted by group, b [G, K, N],
+  offs [G] int32 cumulative row ends -> [T, N]; rows of group g use b[g]. Each row is the
+  chain of that row alone, so a token's output does not depend on how many tokens its group
+  received. Rows past offs[-1] are zero.
+- 2-D x 2-D with ``offs`` (the weight-gradient form): a [M, T], b [T, N], offs along T
+  -> [G, M, N], out[g] = a[:, group g] @ b[group g, :], each a chain over its group alone.
+- 3-D x 3-D without offs: `bmm`.
+
+The grouped forms launch one GEMM per non-empty group and read ``offs`` on the host (one
+device sync per call; not capturable in a CUDA graph). Their backward (2-D x 3-D form):
+dA is the 2-D x 3-D form against b^T, dB the 2-D x 2-D form.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import batched
+from .batched import check_bmm_args
+from .gemm import gemm
+
+_NAMES = ("a", "b", "bias")
+
+
+# ------------------------------------------------------------------------------- bmm
+@torch.library.custom_op("detgemm::bmm", mutates_args=())
+def bmm_op(a: Tensor, b: Tensor, bias: Optional[Tensor] = None,
+           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """a [L, M, K] @ b [L, K, N] (+ bias [N]) -> [L, M, N], one launch."""
+    check_bmm_args(a, b, bias, out_dtype, "detgemm::bmm", _NAMES)
+    return batched.bmm(a, b, bias, out_dtype)
+
+
+@bmm_op.register_fake
+def _bmm_fake(a, b, bias=None, out_dtype=None):
+    check_bmm_args(a, b, bias, out_dtype, "detgemm::bmm", _NAMES, check_device=False)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype or a.dtype)
+
+
+def _setup_bmm(ctx, inputs, output):
+    a, b, bias, _ = inputs
+    ctx.in_dtype = a.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None,
+                          b if ctx.needs_input_grad[0] else None)
+
+
+def _backward_bmm(ctx, grad):
+    a, b = ctx.saved_tensors
+    g = grad if grad.dtype == ctx.in_dtype else grad.to(ctx.in_dtype)
+    ga = gb = gbias = None
+    if ctx.needs_input_grad[0]:
+        ga = torch.ops.detgemm.bmm(g, b.transpose(1, 2), None, ctx.in_dtype)
+    if ctx.needs_input_grad[1]:
+        gb = torch.ops.detgemm.bmm(a.transpose(1, 2), g, None, ctx.in_dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        gbias = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype)
+    return ga, gb, gbias, None
+
+
+bmm_op.register_autograd(_backward_bmm, setup_context=_setup_bmm)
+
+
+def _direct(ts) -> bool:
+    """Plain tensors, no grad needed, not tracing: call the implementation directly."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in ts:
+        if t is None:
+            continue
+        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
+
+
+def bmm(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
+        out_dtype: torch.dtype | None = None) -> Tensor:
+    """``a [L, M, K] @ b [L, K, N]`` (+ ``bias [N]``, added in fp32 before the one rounding)
+    -> ``[L, M, N]`` in ``out_dtype`` (default: a's dtype). One launch for all entries;
+    each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast)."""
+    if _direct((a, b, bias)) and not (isinstance(a, Tensor) and a.is_meta):
+        check_bmm_args(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
+        return batched.bmm(a, b, bias, out_dtype)
+    return torch.ops.detgemm.bmm(a, b, bias, out_dtype)
+
+
+def bias_row(t: Tensor, n: int) -> Tensor | None:
+    """`t` as a length-N bias when it broadcasts one row over [L, M, N] (else None)."""
+    if t.dim() == 1 and t.shape[0] == n:
+        return t
+    if t.dim() in (2, 3) and t.shape[-1] == n and all(
+            s == 1 or st == 0 for s, st in zip(t.shape[:-1], t.stride()[:-1])):
+        return t[(0,) * (t.dim() - 1)]
+    return None
+
+
+def scaled_sum(y32: Tensor, input: Tensor, beta, alpha, dtype) -> Tensor:
+    """alpha * y + beta * input in fp32 (beta == 0 ignores input, as PyTorch does), one
+    rounding to dtype."""
+    r = y32 if alpha == 1 else y32 * alpha
+    if beta != 0:
+        r = r + (input.float() if beta == 1 else input.float() * beta)
+    return r.to(dtype)
+
+
+def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
+            out_dtype: torch.dtype | None = None) -> Tensor:
+    """``beta * input + alpha * (a @ b)`` per entry, like ``torch.baddbmm``. With beta = alpha
+    = 1 and an input that is one broadcast row of N values, it is the bias of `bmm` (added in
+    fp32 before the one rounding); otherwise the fp32 product is scaled and summed in fp32
+    and rounded once."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"detgemm_cute.baddbmm: input must be a torch.Tensor, got "
+                        f"{type(input).__name__}")
+    dtype = out_dtype or (a.dtype if isinstance(a, Tensor) else None)
+    if beta == 1 and alpha == 1 and isinstance(b, Tensor) and b.dim() == 3:
+        row = bias_row(input, b.shape[2])
+        if row is not None and row.dtype == getattr(a, "dtype", None):
+            return bmm(a, b, bias=row, out_dtype=out_dtype)
+    y32 = bmm(a, b, out_dtype=torch.float32)
+    return scaled_sum(y32, input, beta, alpha, dtype)
+
+
+# ------------------------------------------------------------------------ grouped_mm
+def _group_ends(offs: Tensor, groups: int, total: int, op: str) -> list[int]:
+    if not isinstance(offs, Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise TypeError(f"{op}: offs must be a 1-D torch.int32 tensor of cumulative group ends")
+    if offs.shape[0] != groups:
+        raise ValueError(f"{op}: offs has {offs.shape[0]} entries but b has {groups} groups")
+    if offs.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{op}: the grouped forms read offs on the host and cannot be "
+                           f"captured in a CUDA graph")
+    ends = offs.tolist()
+    prev = 0
+    for g, e in enumerate(ends):
+        if e < prev or e > total:
+            raise ValueError(f"{op}: offs must be non-decreasing and <= {total}; offs[{g}]={e} "
+                             f"after {prev}")
+        prev = e
+    return ends
+
+
+def check_grouped_args(a, b, offs, out_dtype, op):
+    for x, name in ((a, "a"), (b, "b")):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        raise TypeError(f"{op}: a and b must both be torch.bfloat16 or both torch.float16, "
+                        f"got {a.dtype} and {b.dtype}")
+    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{op}: out_dtype must be torch.bfloat16, torch.float16, "
+                        f"torch.float32 or None, got {out_dtype}")
+    if b.device != a.device:
+        raise ValueError(f"{op}: b is on {b.device} but a is on {a.device}")
+    forms = {(2, 3): "2-D x 3-D", (2, 2): "2-D x 2-D", (3, 3): "3-D x 3-D"}
+    form = forms.get((a.dim(), b.dim()))
+    if form is None:
+        raise ValueError(f"{op}: takes a [T, K] with b [G, K, N] (offs), a [M, T] with "
+                         f"b [T, N] (offs) or a [L, M, K] with b [L, K, N]; got shapes "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    k_a, k_b = a.shape[-1], b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(f"{op}: inner dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if (form == "3-D x 3-D") != (offs is None):
+        raise ValueError(f"{op}: offs is {'not ' if offs is None else ''}expected for the "
+                         f"{form} form")
+    return form
+
+
+def _grouped_impl(a, b, offs, out_dtype, op):
+    form = check_grouped_args(a, b, offs, out_dtype, op)
+    dt = out_dtype or a.dtype
+    if form == "3-D x 3-D":
+        check_bmm_args(a, b, None, out_dtype, op, _NAMES)
+        return batched.bmm(a, b, None, out_dtype)
+    if form == "2-D x 3-D":
+        t, n = a.shape[0], b.shape[2]
+        ends = _group_ends(offs, b.shape[0], t, op)
+        out = torch.zeros((t, n), dtype=dt, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                gemm(a[start:end], b[g], "kn", None, dt, op="fwd", out=out[start:end])
+            start = end
+        return out
+    m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
+    ends = _group_ends(offs, offs.shape[0] if isinstance(offs, Tensor) else 0, t, op)
+    out = torch.zeros((len(ends), m, n), dtype=dt, device=a.device)
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            gemm(a[:, start:end], b[start:end], "kn", None, dt, op="dw", out=out[g])
+        start = end
+    return out
+
+
+@torch.library.custom_op("detgemm::grouped_mm", mutates_args=())
+def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor] = None,
+                  out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Grouped GEMM in ``torch._grouped_mm``'s forms (see the module docstring)."""
+    return _grouped_impl(a, b, offs, out_dtype, "detgemm::grouped_mm")
+
+
+@grouped_mm_op.register_fake
+def _grouped_fake(a, b, offs=None, out_dtype=None):
+    form = check_grouped_args(a, b, offs, out_dtype, "detgemm::grouped_mm")
+    dt = out_dtype or a.dtype
+    if form == "2-D x 3-D":
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=dt)
+    if form == "2-D x 2-D":
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=dt)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dt)
+
+
+def _setup_grouped(ctx, inputs, output):
+    a, b, offs, _ = inputs
+    ctx.form = (a.dim(), b.dim())
+    ctx.in_dtype = a.dtype
+    ctx.save_for_backward(a, b, offs)
+
+
+def _backward_grouped(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    g = grad if grad.dtype == ctx.in_dtype else grad.to(ctx.in_dtype)
+    op = torch.ops.detgemm.grouped_mm
+    if ctx.form == (3, 3):
+        ga = op(g, b.transpose(1, 2), None, ctx.in_dtype) if ctx.needs_input_grad[0] else None
+        gb = op(a.transpose(1, 2), g, None, ctx.in_dtype) if ctx.needs_input_grad[1] else None
+        return ga, gb, None, None
+    if ctx.form != (2, 3):
+        raise RuntimeError("detgemm::grouped_mm: backward is implemented for the 2-D x 3-D "
+                           "(mixture-of-experts) and 3-D x 3-D forms")
+    ga = op(g, b.transpose(1, 2), offs, ctx.in_dtype) if ctx.needs_input_grad[0] else None
+    gb = op(a.t(), g, offs, ctx.in_dtype) if ctx.needs_input_grad[1] else None
+    return ga, gb, None, None
+
+
+grouped_mm_op.register_autograd(_backward_grouped, setup_context=_setup_grouped)
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """Grouped GEMM in ``torch._grouped_mm``'s forms; each row (2-D x 3-D) or group (2-D x
+    2-D) is the chain of that row or group alone. See the module docstring."""
+    if _direct((a, b, offs)):
+        return _grouped_impl(a, b, offs, out_dtype, "detgemm_cute.grouped_mm")
+    return torch.ops.detgemm.grouped_mm(a, b, offs, out_dtype)
+
+
+__all__ = ["bmm", "baddbmm", "grouped_mm", "bmm_op", "grouped_mm_op"]

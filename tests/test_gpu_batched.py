@@ -1,0 +1,192 @@
+"""bmm / baddbmm / grouped_mm on the GPU: one launch for the batch, and every entry the chain
+`dg.mm` computes for it alone.
+
+- each entry's bits equal `dg.mm` on that entry (a 2-D GEMM from another table and tile),
+  for every bmm bucket, every operand layout attention produces (q @ k^T on views, p @ v),
+  fp32 output, bias, odd N/K, broadcast (batch stride 0) operands;
+- batch-count invariance: an entry's bits do not depend on L;
+- graphs: a captured bmm replays to the same bits;
+- grouped_mm: a token's row does not depend on how many tokens its group received;
+- batch_invariant_mode routes aten::bmm / baddbmm / _grouped_mm to one launch.
+Outputs land in NaN-poisoned memory, so an element never written shows up."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import gemm, registry  # noqa: E402
+from gpu_helpers import current_family, family, poison, rand, same_bits  # noqa: E402,F401
+
+# (L, M, K, N): one problem per bmm bucket of both tables and the shapes attention makes
+SHAPES = [(3, 1, 128, 1000), (5, 13, 72, 264), (4, 30, 128, 300), (6, 64, 64, 64),
+          (2, 100, 1000, 40), (3, 300, 520, 128), (2, 129, 64, 776), (64, 128, 64, 128),
+          (2, 777, 128, 777), (3, 512, 512, 64)]
+
+
+def _entries_equal(c, a, b, bias=None, out_dtype=None):
+    for i in range(a.shape[0]):
+        want = (dg.mm(a[i], b[i], out_dtype=out_dtype) if bias is None
+                else dg.addmm(bias, a[i], b[i], out_dtype=out_dtype))
+        assert same_bits(c[i], want), i
+
+
+def _bmm(a, b, **kw):
+    poison()
+    return dg.bmm(a, b, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bmm_entries_are_mm(family, shape):
+    lb, m, k, n = shape
+    a, b = rand(lb, m, k), rand(lb, k, n)
+    _entries_equal(_bmm(a, b), a, b)
+    bt = rand(lb, n, k).transpose(1, 2)  # q @ k^T: B is a transposed view
+    _entries_equal(_bmm(a, bt), a, bt)
+    at = rand(lb, k, m).transpose(1, 2)  # A^T @ G (bmm's dB): A is a transposed view
+    _entries_equal(_bmm(at, b), at, b)
+    bias = rand(n)
+    _entries_equal(_bmm(a, b, bias=bias), a, b, bias)
+    _entries_equal(_bmm(a, b, out_dtype=torch.float32), a, b, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bmm_every_bucket(family, dtype):
+    """Every bmm bucket of the table, forced onto problems cutting through its tiles."""
+    reg = registry.get_registry(current_family())
+    names = [b.name for b in reg.buckets if b.op == "bmm"]
+    assert names
+    for lb, m, k, n in [(3, 5, 200, 72), (2, 130, 136, 264), (4, 64, 64, 128)]:
+        a, b = rand(lb, m, k, dtype=dtype), rand(lb, k, n, dtype=dtype)
+        want = dg.bmm(a, b)
+        for name in names:
+            with gemm.force_bucket(name):
+                got = _bmm(a, b)
+            assert same_bits(got, want), (name, lb, m, k, n)
+        _entries_equal(want, a, b)
+
+
+def test_bmm_batch_count_invariance(family):
+    for m, k, n in [(128, 64, 128), (1, 128, 2048), (200, 200, 64)]:
+        a, b = rand(40, m, k), rand(40, k, n)
+        full = _bmm(a, b)
+        for lb in (1, 2, 7, 31):
+            assert same_bits(_bmm(a[:lb], b[:lb]), full[:lb]), (m, k, n, lb)
+        assert same_bits(_bmm(a[9:13], b[9:13]), full[9:13])
+
+
+def test_bmm_odd_sizes_and_broadcast(family):
+    lb, m, k, n = 4, 37, 77, 51  # K, N not multiples of 8: staged operands, padded output
+    a, b = rand(lb, m, k), rand(lb, k, n)
+    _entries_equal(_bmm(a, b), a, b)
+    w = rand(k, n)
+    wb = w.expand(lb, k, n)  # shared weight, batch stride 0
+    c = _bmm(a, wb)
+    _entries_equal(c, a, wb)
+    assert same_bits(c.reshape(lb * m, n), dg.mm(a.reshape(lb * m, k), w))
+    ab = rand(m, k).expand(lb, m, k)  # broadcast A
+    _entries_equal(_bmm(ab, b), ab, b)
+    x = rand(lb, m, 2 * k)[:, :, ::2]  # no unit stride: staged
+    _entries_equal(_bmm(x, b), x, b)
+
+
+def test_bmm_large_batch_small_entries(family):
+    a, b = rand(2048, 64, 64), rand(2048, 64, 64)
+    c = _bmm(a, b)
+    for i in (0, 1, 1000, 2047):
+        assert same_bits(c[i], dg.mm(a[i], b[i])), i
+
+
+def test_baddbmm_forms(family):
+    lb, m, k, n = 3, 40, 96, 72
+    a, b = rand(lb, m, k), rand(lb, k, n)
+    bias = rand(n)
+    got = dg.baddbmm(bias, a, b)
+    _entries_equal(got, a, b, bias)
+    inp = rand(lb, m, n)
+    got = dg.baddbmm(inp, a, b, beta=0.5, alpha=2.0)
+    y32 = dg.bmm(a, b, out_dtype=torch.float32)
+    assert same_bits(got, (y32 * 2.0 + inp.float() * 0.5).to(torch.bfloat16))
+
+
+def test_bmm_cuda_graph(family):
+    a, b = rand(16, 128, 128), rand(16, 128, 128)
+    want = dg.bmm(a, b)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        dg.bmm(a, b)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = dg.bmm(a, b)
+    a.copy_(rand(16, 128, 128))
+    g.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, dg.bmm(a, b)) and not same_bits(out, want)
+
+
+def test_bmm_autograd(family):
+    a = rand(4, 64, 96).requires_grad_()
+    b = rand(4, 96, 80).requires_grad_()
+    g = rand(4, 64, 80)
+    dg.bmm(a, b).backward(g)
+    _entries_equal(a.grad, g, b.detach().transpose(1, 2))
+    _entries_equal(b.grad, a.detach().transpose(1, 2), g)
+
+
+def test_grouped_mm_group_size_invariance(family):
+    experts, k, n = 8, 512, 384
+    w = rand(experts, k, n)
+    x = rand(600, k)
+    for sizes in ([75] * 8, [0, 300, 1, 99, 50, 50, 100, 0], [600, 0, 0, 0, 0, 0, 0, 0]):
+        offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+        poison()
+        y = dg.grouped_mm(x, w, offs)
+        start = 0
+        for g, size in enumerate(sizes):
+            if size:
+                rows = x[start:start + size]
+                assert same_bits(y[start:start + size], dg.mm(rows, w[g])), (sizes, g)
+                # one token alone in its expert gives the same row
+                assert same_bits(dg.mm(rows[:1], w[g]), y[start:start + 1])
+            start += size
+
+
+def test_grouped_mm_backward(family):
+    experts, k, n = 4, 256, 128
+    sizes = [10, 0, 70, 48]
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = rand(128, k).requires_grad_()
+    w = rand(experts, k, n).requires_grad_()
+    g = rand(128, n)
+    dg.grouped_mm(x, w, offs).backward(g)
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        if size:
+            assert same_bits(x.grad[rows], dg.mm(g[rows], w[e].detach().t()))
+            want = dg.mm(x.detach()[rows].t(), g[rows])
+            assert same_bits(w.grad[e], want), e
+        else:
+            assert not w.grad[e].any()
+        start += size
+
+
+def test_mode_routes_batched_ops(family):
+    a, b = rand(8, 128, 64), rand(8, 64, 128)
+    x, w = rand(96, 64), rand(4, 64, 32)
+    offs = torch.tensor([20, 40, 60, 96], device="cuda", dtype=torch.int32)
+    dg.reset_report()
+    with dg.batch_invariant_mode(strict=True):
+        y = torch.bmm(a, b)
+        z = torch.baddbmm(rand(128), a, b)
+        q = torch.matmul(a, b)  # 3-D matmul is aten::bmm
+        gm = torch._grouped_mm(x, w, offs)
+    assert same_bits(y, dg.bmm(a, b)) and same_bits(q, y)
+    assert z.shape == y.shape and not z.isnan().any()
+    assert same_bits(gm, dg.grouped_mm(x, w, offs))
+    assert dg.report().total_fell_back == 0
