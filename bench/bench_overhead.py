@@ -1,4 +1,4 @@
-"""Host overhead at 64x64x64 bf16, broken down: host time per call of 3000 calls (median of
+"""Host overhead at 64x64x64 bf16 (bmm: 8 x 64x64x64), broken down: host time per call of 3000 calls (median of
 7 repetitions) for torch's ops, a bare `torch.empty`, the bare TVM-FFI kernel call, the
 plan key, and detgemm's public functions and custom op. Needs a GPU.
 
@@ -33,6 +33,17 @@ rows = {
  "dg.linear(x, w)": lambda: dg.linear(x, w),
  "dg.linear(x, w, b)": lambda: dg.linear(x, w, b),
  "torch.ops.detgemm.linear": lambda: torch.ops.detgemm.linear(x, w, None, None),
+ "torch.bmm(a, b)": lambda: torch.bmm(a3, b3),
+ "dg.bmm(a, b)": lambda: dg.bmm(a3, b3),
 }
+a3 = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+b3 = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+dg.bmm(a3, b3)
 for name, fn in rows.items():
     print(f"{name:32s} {t(fn):7.2f} us/call (enqueue)", flush=True)
+# The same calls through batch_invariant_mode's aten overrides (what a model pays per matmul)
+with dg.batch_invariant_mode():
+    for name, fn in {"mode: torch.mm(x, w.t())": lambda: torch.mm(x, wt),
+                     "mode: F.linear(x, w)": lambda: torch.nn.functional.linear(x, w),
+                     "mode: torch.bmm(a, b)": lambda: torch.bmm(a3, b3)}.items():
+        print(f"{name:32s} {t(fn):7.2f} us/call (enqueue)", flush=True)

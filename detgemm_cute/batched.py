@@ -150,6 +150,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if a.device.type == "cpu":
         c = _on_cpu(a, b, bias, out_dtype)
         return c if out is None else out.copy_(c)
+    if lb == 1:  # one entry: the 2-D path (same chain; any batch stride)
+        c2 = gemm(a[0], b[0], "kn", bias, out_dtype, op="fwd")
+        c = c2.unsqueeze(0)
+        return c if out is None else out.copy_(c)
     if _shared_weight_rows(a, b):
         c2 = gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd")
         c = c2.view(lb, m, n)
