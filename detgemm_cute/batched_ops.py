@@ -179,6 +179,12 @@ def check_grouped_args(a, b, offs, out_dtype, op):
     return form
 
 
+def _table_for(w: Tensor) -> str:
+    """A [K, N] expert weight stored row-major (N contiguous) is the layout the dx table was
+    tuned for; a column-major one ([N, K] storage, K contiguous) the fwd table's."""
+    return "dx" if w.stride(1) == 1 else "fwd"
+
+
 def _grouped_impl(a, b, offs, out_dtype, op):
     form = check_grouped_args(a, b, offs, out_dtype, op)
     dt = out_dtype or a.dtype
@@ -192,7 +198,8 @@ def _grouped_impl(a, b, offs, out_dtype, op):
         start = 0
         for g, end in enumerate(ends):
             if end > start:
-                gemm(a[start:end], b[g], "kn", None, dt, op="fwd", out=out[start:end])
+                gemm(a[start:end], b[g], "kn", None, dt, op=_table_for(b[g]),
+                     out=out[start:end])
             start = end
         return out
     m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
