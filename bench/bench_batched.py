@@ -124,7 +124,10 @@ def run_moe(token_counts, log):
         for name, k, n in (("up", hidden, ffn), ("down", ffn, hidden)):
             x = torch.randn(tokens * topk, k, device="cuda", dtype=BF16)
             w = torch.randn(experts, k, n, device="cuda", dtype=BF16).mul_(k ** -0.5)
-            wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per expert
+            # K contiguous per expert ([G, N, K] storage, like nn.Linear weights): the layout
+            # torch._grouped_mm wants; every peer gets the same tensor
+            w = w.transpose(1, 2).contiguous().transpose(1, 2)
+            wt = w
             ends = torch.tensor(counts).cumsum(0).tolist()
 
             def loop():
