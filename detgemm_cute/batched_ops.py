@@ -79,7 +79,9 @@ def _direct(ts) -> bool:
         if t is None:
             continue
         if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
-            return False
+            if isinstance(t, Tensor):
+                return False  # a subclass (fake tensor, DTensor, ...): through the op
+            continue  # not a tensor: the direct path's checks name it
         if grad and t.requires_grad:
             return False
     return True
@@ -174,7 +176,7 @@ def check_grouped_args(a, b, offs, out_dtype, op):
     if k_a != k_b:
         raise ValueError(f"{op}: inner dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if (form == "3-D x 3-D") != (offs is None):
-        raise ValueError(f"{op}: offs is {'not ' if offs is None else ''}expected for the "
+        raise ValueError(f"{op}: offs is {'' if offs is None else 'not '}expected for the "
                          f"{form} form")
     return form
 
