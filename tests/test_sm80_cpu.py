@@ -90,7 +90,7 @@ def test_warmup_keys_for_sm80():
 
 def test_sm80_registry_and_mainloop_order():
     reg = R.get_registry("sm80")
-    assert reg.ops == ("fwd", "dx", "dw")
+    assert reg.ops == ("fwd", "dx", "dw", "bmm")
     assert all(b.cluster == (1, 1) and not b.persistent for b in reg.buckets)
     assert reg.lookup("dw", "fp16", 4096, 8, 16384).name == "dw_bias"
     assert sm80.kernel_class(False) is sm80.Sm80Gemm
