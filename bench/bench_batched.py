@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute.benchlib import gpu  # noqa: E402
-from detgemm_cute.benchlib.timing import QUICK_PLAN, n_sets_for, time_units  # noqa: E402
+from detgemm_cute.benchlib.timing import (QUICK_PLAN, eager_median_us, n_sets_for,  # noqa: E402
+                                           time_units)
 
 BF16 = torch.bfloat16
 
@@ -101,18 +102,7 @@ def moe_offsets(tokens, experts, topk, gen):
 
 
 def eager_us(fn, reps=15):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000)
-    return statistics.median(times)
+    return eager_median_us(fn, reps, warmup=3)
 
 
 def run_moe(token_counts, log):

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import batched
-from .batched import check_bmm_args
+from .errors import check_bmm_args
 from .gemm import gemm
 
 _NAMES = ("a", "b", "bias")
@@ -93,8 +93,7 @@ def bmm(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
     -> ``[L, M, N]`` in ``out_dtype`` (default: a's dtype). One launch for all entries;
     each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast)."""
     if _direct((a, b, bias)) and not (isinstance(a, Tensor) and a.is_meta):
-        check_bmm_args(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
-        return batched.bmm(a, b, bias, out_dtype)
+        return batched.checked_bmm(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
     return torch.ops.detgemm.bmm(a, b, bias, out_dtype)
 
 

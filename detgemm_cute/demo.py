@@ -23,18 +23,10 @@ def _same_rows(part, full):
     return torch.equal(part.view(torch.int16), full[: part.shape[0]].view(torch.int16))
 
 
-def _time_us(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return sorted(times)[reps // 2]
+def _time_us(fn, reps=21):
+    from .benchlib.timing import eager_median_us
+
+    return eager_median_us(fn, reps)
 
 
 def _gpu_demo(quick: bool) -> int:

@@ -21,12 +21,7 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
                     check_device=True):
     """Validate C = a @ op(b) (+ bias). `b_form` is 'nk' (b is [N, K]) or 'kn' ([K, N])."""
     an, bn, biasn = names
-    _need_tensor(a, an, op)
-    _need_tensor(b, bn, op)
-    if a.dtype not in IN_DTYPES:
-        raise TypeError(f"{op}: {an} must be torch.bfloat16 or torch.float16, got {a.dtype}")
-    if b.dtype != a.dtype:
-        raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
+    _check_operand_dtypes(a, b, an, bn, op)
     if a.dim() != 2:
         raise ValueError(f"{op}: {an} must be 2-D [M, K], got shape {tuple(a.shape)}")
     if b.dim() != 2:
@@ -43,6 +38,23 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
     for dim_name, v in (("M", m), ("N", n), ("K", k)):
         if v > MAX_DIM:
             raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
+    _check_out_and_bias(out_dtype, bias, n, a.dtype, an, biasn, op)
+    if check_device:
+        check_devices(a, b, bias, op, names)
+    else:  # fake tensors (tracing) carry real devices; they must still agree
+        _same_device(a, b, bias, op, names)
+
+
+def _check_operand_dtypes(a, b, an, bn, op):
+    _need_tensor(a, an, op)
+    _need_tensor(b, bn, op)
+    if a.dtype not in IN_DTYPES:
+        raise TypeError(f"{op}: {an} must be torch.bfloat16 or torch.float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
+
+
+def _check_out_and_bias(out_dtype, bias, n, dtype, an, biasn, op):
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be one of torch.bfloat16, torch.float16, "
                         f"torch.float32 or None, got {out_dtype}")
@@ -51,11 +63,31 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
         if bias.dim() != 1 or bias.shape[0] != n:
             raise ValueError(f"{op}: {biasn} must be 1-D of length N={n}, got shape "
                              f"{tuple(bias.shape)}")
-        if bias.dtype != a.dtype:
-            raise TypeError(f"{op}: {biasn} must have dtype {a.dtype} like {an}, got {bias.dtype}")
+        if bias.dtype != dtype:
+            raise TypeError(f"{op}: {biasn} must have dtype {dtype} like {an}, got {bias.dtype}")
+
+
+def check_bmm_args(a, b, bias, out_dtype, op, names=("a", "b", "bias"), check_device=True):
+    """Validate C[l] = a[l] @ b[l] (+ bias): a [L, M, K], b [L, K, N], bias [N]."""
+    an, bn, biasn = names
+    _check_operand_dtypes(a, b, an, bn, op)
+    if a.dim() != 3:
+        raise ValueError(f"{op}: {an} must be 3-D [L, M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 3:
+        raise ValueError(f"{op}: {bn} must be 3-D [L, K, N], got shape {tuple(b.shape)}")
+    if b.shape[0] != a.shape[0]:
+        raise ValueError(f"{op}: batch mismatch: {an} has L={a.shape[0]}, {bn} has "
+                         f"L={b.shape[0]} (shapes {tuple(a.shape)}, {tuple(b.shape)})")
+    if b.shape[1] != a.shape[2]:
+        raise ValueError(f"{op}: K mismatch: {an} has K={a.shape[2]} (shape {tuple(a.shape)}) "
+                         f"but {bn} has K={b.shape[1]} (shape {tuple(b.shape)})")
+    for dim_name, v in zip("LMKN", (*a.shape, b.shape[2])):
+        if v > MAX_DIM:
+            raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
+    _check_out_and_bias(out_dtype, bias, b.shape[2], a.dtype, an, biasn, op)
     if check_device:
         check_devices(a, b, bias, op, names)
-    else:  # fake tensors (tracing) carry real devices; they must still agree
+    else:
         _same_device(a, b, bias, op, names)
 
 

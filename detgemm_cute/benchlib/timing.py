@@ -99,6 +99,23 @@ def _events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
+def eager_median_us(fn, reps: int = 20, warmup: int = 1) -> float:
+    """Median event-timed time of `reps` eager calls of fn(), in us (launch gaps included):
+    for what cannot be graph-captured (host syncs) or should include host time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = _events()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
 def estimate_ms(fn, sets, min_ms: float = 2.0) -> float:
     """Eager, event-timed time per call (launch gaps included)."""
     n = 3
