@@ -46,8 +46,9 @@ def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
     """A fresh [L, rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8."""
     lb, rows, k = t.shape[0], t.shape[3 - k_dim], t.shape[k_dim]
     kp = -(-k // 8) * 8
-    out = torch.zeros((lb, rows, kp), dtype=t.dtype, device=t.device)
+    out = torch.empty((lb, rows, kp), dtype=t.dtype, device=t.device)
     out[:, :, :k].copy_(t if k_dim == 2 else t.transpose(1, 2))
+    out[:, :, k:].zero_()
     return out
 
 
@@ -179,9 +180,10 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
     plan passed these checks before, so a warm call skips them."""
     try:
         key = _key(a, b, bias, out_dtype)
-    except AttributeError:  # not tensors: let the checks name the argument
-        key = None
-    if key is None or key not in _plans:
+        hit = key in _plans
+    except (AttributeError, TypeError):  # not tensors, unhashable: the checks name them
+        key, hit = None, False
+    if not hit:
         check_bmm_args(a, b, bias, out_dtype, op_name, names)
     return bmm(a, b, bias, out_dtype, key=key)
 

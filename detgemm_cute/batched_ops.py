@@ -107,6 +107,21 @@ def bias_row(t: Tensor, n: int) -> Tensor | None:
     return None
 
 
+def broadcasts_to(t: Tensor, shape) -> bool:
+    """t broadcasts to `shape` without changing it (torch's rule for baddbmm's input)."""
+    if t.dim() > len(shape):
+        return False
+    return all(s == 1 or s == o for s, o in zip(reversed(t.shape), reversed(shape)))
+
+
+def check_addend(input: Tensor, shape, device, op) -> None:
+    if not broadcasts_to(input, shape):
+        raise ValueError(f"{op}: input of shape {tuple(input.shape)} does not broadcast to the "
+                         f"product's shape {tuple(shape)}")
+    if input.device != device:
+        raise ValueError(f"{op}: input is on {input.device} but the product is on {device}")
+
+
 def scaled_sum(y32: Tensor, input: Tensor, beta, alpha, dtype) -> Tensor:
     """alpha * y + beta * input in fp32 (beta == 0 ignores input, as PyTorch does), one
     rounding to dtype."""
@@ -125,6 +140,9 @@ def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
     if not isinstance(input, Tensor):
         raise TypeError(f"detgemm_cute.baddbmm: input must be a torch.Tensor, got "
                         f"{type(input).__name__}")
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == 3 and b.dim() == 3:
+        check_addend(input, (a.shape[0], a.shape[1], b.shape[2]), a.device,
+                     "detgemm_cute.baddbmm")
     dtype = out_dtype or (a.dtype if isinstance(a, Tensor) else None)
     if beta == 1 and alpha == 1 and isinstance(b, Tensor) and b.dim() == 3:
         row = bias_row(input, b.shape[2])
@@ -135,11 +153,8 @@ def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
 
 
 # ------------------------------------------------------------------------ grouped_mm
-def _group_ends(offs: Tensor, groups: int, total: int, op: str) -> list[int]:
-    if not isinstance(offs, Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise TypeError(f"{op}: offs must be a 1-D torch.int32 tensor of cumulative group ends")
-    if offs.shape[0] != groups:
-        raise ValueError(f"{op}: offs has {offs.shape[0]} entries but b has {groups} groups")
+def _group_ends(offs: Tensor, total: int, op: str) -> list[int]:
+    """offs on the host (checked by `check_grouped_args`), non-decreasing and <= total."""
     if offs.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{op}: the grouped forms read offs on the host and cannot be "
                            f"captured in a CUDA graph")
@@ -177,6 +192,15 @@ def check_grouped_args(a, b, offs, out_dtype, op):
     if (form == "3-D x 3-D") != (offs is None):
         raise ValueError(f"{op}: offs is {'' if offs is None else 'not '}expected for the "
                          f"{form} form")
+    if form == "3-D x 3-D":
+        check_bmm_args(a, b, None, out_dtype, op, _NAMES, check_device=False)
+        return form
+    if not isinstance(offs, Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise TypeError(f"{op}: offs must be a 1-D torch.int32 tensor of cumulative group ends")
+    if form == "2-D x 3-D" and offs.shape[0] != b.shape[0]:
+        raise ValueError(f"{op}: offs has {offs.shape[0]} entries but b has {b.shape[0]} groups")
+    if offs.device != a.device:
+        raise ValueError(f"{op}: offs is on {offs.device} but a is on {a.device}")
     return form
 
 
@@ -190,25 +214,25 @@ def _grouped_impl(a, b, offs, out_dtype, op):
     form = check_grouped_args(a, b, offs, out_dtype, op)
     dt = out_dtype or a.dtype
     if form == "3-D x 3-D":
-        check_bmm_args(a, b, None, out_dtype, op, _NAMES)
         return batched.bmm(a, b, None, out_dtype)
+    empty = a.shape[-1] == 0 or b.shape[-1] == 0  # K or N = 0: zeros, nothing to launch
     if form == "2-D x 3-D":
         t, n = a.shape[0], b.shape[2]
-        ends = _group_ends(offs, b.shape[0], t, op)
+        ends = _group_ends(offs, t, op)
         out = torch.zeros((t, n), dtype=dt, device=a.device)
         start = 0
         for g, end in enumerate(ends):
-            if end > start:
+            if end > start and not empty:
                 gemm(a[start:end], b[g], "kn", None, dt, op=_table_for(b[g]),
                      out=out[start:end])
             start = end
         return out
     m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
-    ends = _group_ends(offs, offs.shape[0] if isinstance(offs, Tensor) else 0, t, op)
+    ends = _group_ends(offs, t, op)
     out = torch.zeros((len(ends), m, n), dtype=dt, device=a.device)
     start = 0
     for g, end in enumerate(ends):
-        if end > start:
+        if end > start and m and n:
             gemm(a[:, start:end], b[start:end], "kn", None, dt, op="dw", out=out[g])
         start = end
     return out
@@ -262,7 +286,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *,
                out_dtype: torch.dtype | None = None) -> Tensor:
     """Grouped GEMM in ``torch._grouped_mm``'s forms; each row (2-D x 3-D) or group (2-D x
     2-D) is the chain of that row or group alone. See the module docstring."""
-    if _direct((a, b, offs)):
+    if _direct((a, b, offs)) and not (isinstance(a, Tensor) and a.is_meta):
         return _grouped_impl(a, b, offs, out_dtype, "detgemm_cute.grouped_mm")
     return torch.ops.detgemm.grouped_mm(a, b, offs, out_dtype)
 

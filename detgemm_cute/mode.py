@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from . import batched
-from .batched_ops import _grouped_impl, bias_row
+from .batched_ops import _grouped_impl, bias_row, broadcasts_to
 from .gemm import arch_of, gemm
 
 _IN = (torch.bfloat16, torch.float16)
@@ -79,12 +79,14 @@ def _device_problem(t: torch.Tensor) -> str | None:
 
 
 def _problem(*ts) -> str | None:
-    dt = ts[0].dtype
+    dt, dev = ts[0].dtype, ts[0].device
     for t in ts:
         if t.dtype not in _IN:
             return f"{t.dtype} inputs (detgemm takes bfloat16/float16)"
         if t.dtype != dt:
             return f"mixed dtypes {ts[0].dtype}/{t.dtype}"
+        if t.device != dev:
+            return f"tensors on {dev} and {t.device}"
     return _device_problem(ts[0])
 
 
@@ -110,6 +112,11 @@ def _route(op: str, *ts):
     if why is None:
         _routed[(op, _NAMES[ts[0].dtype])] += 1
         return
+    _refuse(op, why, *ts, stacklevel=5)
+
+
+def _refuse(op: str, why: str, *ts, stacklevel: int = 4):
+    """A call detgemm cannot take: raise under strict=True, else warn once and fall back."""
     if _stack and _stack[-1]:
         raise BatchInvariantError(
             f"batch_invariant_mode(strict=True): aten::{op} on {_shapes(*ts)} cannot run on "
@@ -120,7 +127,7 @@ def _route(op: str, *ts):
         warnings.warn(f"detgemm batch_invariant_mode: aten::{op} with {why} falls back to "
                       f"PyTorch's kernel; those results are not guaranteed to be "
                       f"batch-invariant (this warning is shown once per op and reason)",
-                      stacklevel=4)
+                      stacklevel=stacklevel)
     raise _Fallback
 
 
@@ -175,6 +182,10 @@ def _ok_2d(a, b):
 def _ok_3d(a, b):
     return (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]
             and a.shape[2] == b.shape[1])
+
+
+def _ok_baddbmm(self, b1, b2):
+    return _ok_3d(b1, b2) and broadcasts_to(self, (b1.shape[0], b1.shape[1], b2.shape[2]))
 
 
 def _into(out, r):
@@ -242,29 +253,33 @@ def _baddbmm_value(self, b1, b2, beta, alpha):
 
 
 def _baddbmm(self, b1, b2, *, beta=1, alpha=1):
-    if not _ok_3d(b1, b2):
+    if not _ok_baddbmm(self, b1, b2):
         raise _Fallback
     _route("baddbmm", b1, b2, self)
     return _baddbmm_value(self, b1, b2, beta, alpha)
 
 
 def _baddbmm_out(self, b1, b2, *, beta=1, alpha=1, out):
-    if not _ok_3d(b1, b2) or out.dtype != b1.dtype:
+    if not _ok_baddbmm(self, b1, b2) or out.dtype != b1.dtype:
         raise _Fallback
     _route("baddbmm.out", b1, b2, self)
     return _into(out, _baddbmm_value(self, b1, b2, beta, alpha))
 
 
 def _baddbmm_(self, b1, b2, *, beta=1, alpha=1):
-    if not _ok_3d(b1, b2):
+    if not _ok_baddbmm(self, b1, b2):
         raise _Fallback
     _route("baddbmm_", b1, b2, self)
     return self.copy_(_baddbmm_value(self, b1, b2, beta, alpha))
 
 
 def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
-    if bias is not None or a.dim() not in (2, 3) or b.dim() not in (2, 3):
-        raise _Fallback
+    forms = ((2, 3), (2, 2)) if offs is not None else ((3, 3),)
+    if (a.dim(), b.dim()) not in forms:
+        _refuse("_grouped_mm", f"the {a.dim()}-D x {b.dim()}-D form"
+                f"{' with' if offs is not None else ' without'} offs", a, b)
+    if bias is not None or (offs is not None and offs.dtype != torch.int32):
+        _refuse("_grouped_mm", "a bias or non-int32 offs", a, b)
     _route("_grouped_mm", a, b)
     return _grouped_impl(a, b, offs, out_dtype, "aten::_grouped_mm")
 

@@ -166,3 +166,47 @@ def test_mode_routes_bmm_baddbmm_grouped_on_cpu():
     assert z.shape == y.shape
     assert same(gm, dg.grouped_mm(x, w, offs))
     assert dg.report().total_fell_back == 0 and dg.report().total_routed >= 4
+
+
+def test_baddbmm_input_must_broadcast():
+    a, b = rand(2, 3, 16), rand(2, 16, 8)
+    for bad in (rand(8).expand(5, 8), rand(8).expand(7, 1, 8), rand(4, 2, 3, 8), rand(5)):
+        with pytest.raises(ValueError, match="input of shape"):
+            dg.baddbmm(bad, a, b)
+        with dg.batch_invariant_mode(cpu=True), pytest.raises(RuntimeError):
+            torch.baddbmm(bad, a, b)  # the mode leaves it to torch, whose error comes out
+    ok = rand(1, 3, 8)  # broadcasts over the batch
+    want = (dg.bmm(a, b, out_dtype=torch.float32) + ok.float() * 0.5).to(BF)
+    assert same(dg.baddbmm(ok, a, b, beta=0.5), want)
+
+
+def test_grouped_edge_cases():
+    x, w = rand(6, 0), rand(2, 0, 5)  # K = 0: zeros
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    assert not dg.grouped_mm(x, w, offs).any()
+    assert dg.grouped_mm(rand(6, 4), rand(2, 4, 0), offs).shape == (6, 0)
+    m = dg.grouped_mm(torch.empty(6, 4, dtype=BF, device="meta"),
+                      torch.empty(2, 4, 5, dtype=BF, device="meta"), offs.to("meta"))
+    assert m.shape == (6, 5) and m.is_meta
+    with FakeTensorMode():  # the fake checks what eager checks
+        xf, wf = torch.empty(6, 4, dtype=BF), torch.empty(2, 4, 5, dtype=BF)
+        with pytest.raises(TypeError, match="offs must be a 1-D torch.int32"):
+            torch.ops.detgemm.grouped_mm(xf, wf, torch.empty(2, dtype=torch.int64), None)
+        with pytest.raises(ValueError, match="offs has 3 entries"):
+            torch.ops.detgemm.grouped_mm(xf, wf, torch.empty(3, dtype=torch.int32), None)
+        with pytest.raises(ValueError, match="batch mismatch"):
+            torch.ops.detgemm.grouped_mm(torch.empty(2, 3, 4, dtype=BF),
+                                         torch.empty(3, 4, 5, dtype=BF), None, None)
+
+
+def test_mode_refuses_grouped_forms_it_does_not_take():
+    a3, b2 = rand(3, 5, 32), rand(32, 24)
+    offs = torch.tensor([8, 16, 24], dtype=torch.int32)
+    with dg.batch_invariant_mode(cpu=True, strict=True):
+        with pytest.raises(dg.mode.BatchInvariantError, match="3-D x 2-D"):
+            torch._grouped_mm(a3, b2, offs)
+
+
+def test_bmm_unhashable_out_dtype_is_named():
+    with pytest.raises(TypeError, match="out_dtype"):
+        dg.bmm(rand(2, 3, 4), rand(2, 4, 5), out_dtype=[1])
