@@ -219,12 +219,15 @@ def _grouped_impl(a, b, offs, out_dtype, op):
     if form == "2-D x 3-D":
         t, n = a.shape[0], b.shape[2]
         ends = _group_ends(offs, t, op)
-        out = torch.zeros((t, n), dtype=dt, device=a.device)
+        out = torch.empty((t, n), dtype=dt, device=a.device)
+        out[ends[-1] if ends else 0:].zero_()  # rows past the last group
         start = 0
         for g, end in enumerate(ends):
             if end > start and not empty:
                 gemm(a[start:end], b[g], "kn", None, dt, op=_table_for(b[g]),
                      out=out[start:end])
+            elif end > start:
+                out[start:end].zero_()
             start = end
         return out
     m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
