@@ -90,6 +90,7 @@ def _cpu_demo() -> int:
     print(f"rows of X[:8] @ W^T vs the same rows of X[:64] @ W^T: "
           f"{'bit-identical' if same else 'DIFFERENT'}")
     same &= _cpu_grad_demo(g)
+    same &= _cpu_bmm_demo(g)
     return 0 if (same and rc == 0) else 1
 
 
@@ -113,6 +114,20 @@ def _cpu_grad_demo(g) -> bool:
     same = torch.equal(acc.view(torch.int32), whole.view(torch.int32))
     print(f"dW over 16 + 48 tokens, accumulated in fp32, vs one call on 64 tokens: "
           f"{'bit-identical' if same else 'DIFFERENT'}")
+    return same
+
+
+def _cpu_bmm_demo(g) -> bool:
+    """bmm: an entry's bits do not depend on how many entries ride with it."""
+    import detgemm_cute as dg
+
+    print("\n== 5. batched GEMMs (attention's q @ k^T): one entry alone vs in a batch of 6")
+    q = torch.randn(6, 16, 64, generator=g).bfloat16()
+    k = torch.randn(6, 32, 64, generator=g).bfloat16()
+    scores = dg.bmm(q, k.transpose(1, 2))
+    alone = dg.bmm(q[2:3], k[2:3].transpose(1, 2))
+    same = torch.equal(alone.view(torch.int16), scores[2:3].view(torch.int16))
+    print(f"entry 2 of a batch of 6 vs entry 2 alone: {'bit-identical' if same else 'DIFFERENT'}")
     return same
 
 
