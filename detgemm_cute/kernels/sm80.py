@@ -28,6 +28,9 @@ Every tile starts its accumulators at +0.0 -- or, with ``accumulate`` (dW += dY^
 fp32 values already in C, loaded by each thread for its own fragment -- so a call continues
 the chain exactly where the previous one stopped (at a 16-wide block boundary).
 
+Batches (bmm): rank-3 operands in torch order [L, rows, cols] run in one launch with the
+batch on grid z; each CTA slices its entry and runs the 2-D tile above on it.
+
 Epilogue (as on SM90): optional bias converted to fp32 and added once to the fp32
 accumulator, then each value rounded once (round-to-nearest-even) to the output dtype and
 stored from registers; stores past M or N are masked.

@@ -28,6 +28,11 @@ stage then carries BM rows of X next to the weight tile instead of a 64-row box 
 mostly zero fill. The zero rows feed products into accumulator rows that are never stored;
 each stored row is the same chain as with a 64-row tile.
 
+Batches (bmm): operands of rank 3 arrive in torch order [L, rows, cols] and run in one launch;
+the batch is the L mode of every tensor (grid z for `Sm90Gemm`, the third coordinate of the
+persistent tile index for `Sm90GemmPersistent`). A tile never spans two entries, so each
+entry is the chain above, as if it ran alone. Rank-2 operands get an L mode of size 1.
+
 Epilogue: optional bias is converted to fp32 and added to the fp32 accumulator, then each
 value is rounded once (round-to-nearest-even) to the output dtype and stored through shared
 memory with TMA.
