@@ -213,11 +213,19 @@ def _spawned(rank, world, store, args, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
+    code = run_and_close(rank, world, args, torch.device("cpu"))
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(str(code))
+
+
+def run_and_close(rank, world, args, device) -> int:
+    """`run`, then a barrier, so that no rank tears the process groups down while another
+    still uses them (gloo can abort the process otherwise), then destroy them."""
     try:
-        code = run(rank, world, args, torch.device("cpu"))
-        if rank == 0:
-            with open(out, "w") as f:
-                f.write(str(code))
+        code = run(rank, world, args, device)
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 
@@ -264,10 +272,7 @@ def main(argv=None) -> int:
             device = torch.device("cpu")
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=args.timeout))
-        try:
-            return run(rank, world, args, device)
-        finally:
-            dist.destroy_process_group()
+        return run_and_close(rank, world, args, device)
     if args.device == "cuda":
         raise SystemExit("--device cuda: start with torchrun --nproc-per-node N")
     check_sizes(args, args.world)
