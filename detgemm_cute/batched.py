@@ -21,7 +21,8 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry
 from .errors import check_bmm_args
-from .gemm import _ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, gemm
+from .gemm import (_ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, gemm,
+                   stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -40,16 +41,6 @@ def _inner_unit(t: torch.Tensor) -> str | None:
     if s1 == 1 and s2 % el == 0 and t.shape[2] > 1:
         return "first"
     return None
-
-
-def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
-    """A fresh [L, rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8."""
-    lb, rows, k = t.shape[0], t.shape[3 - k_dim], t.shape[k_dim]
-    kp = -(-k // 8) * 8
-    out = torch.empty((lb, rows, kp), dtype=t.dtype, device=t.device)
-    out[:, :, :k].copy_(t if k_dim == 2 else t.transpose(1, 2))
-    out[:, :, k:].zero_()
-    return out
 
 
 class _Plan:
@@ -100,30 +91,21 @@ def _key(a, b, bias, out_dtype):
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-        key=None) -> torch.Tensor:
-    """C [L, M, N] = a [L, M, K] @ b [L, K, N] (+ bias [N]) per entry. Validated inputs.
-
-    `out` ([L, M, N] of out_dtype) receives the result: written in place when TMA can
-    address it, else copied in."""
+        out_dtype: torch.dtype | None = None, key=None) -> torch.Tensor:
+    """C [L, M, N] = a [L, M, K] @ b [L, K, N] (+ bias [N]) per entry. Validated inputs;
+    `key` is `_key` of this call when the caller has built it already."""
     lb, m, k = a.shape
     n = b.shape[2]
     out_dtype = out_dtype or a.dtype
     if lb == 0 or m == 0 or n == 0 or k == 0:
         r = torch.zeros((lb, m, n), dtype=torch.float32, device=a.device)
-        r = (r + bias.float() if bias is not None else r).to(out_dtype)
-        return r if out is None else out.copy_(r)
+        return (r + bias.float() if bias is not None else r).to(out_dtype)
     if a.device.type == "cpu":
-        c = _on_cpu(a, b, bias, out_dtype)
-        return c if out is None else out.copy_(c)
+        return _on_cpu(a, b, bias, out_dtype)
     if lb == 1:  # one entry: the 2-D path (same chain; any batch stride)
-        c2 = gemm(a[0], b[0], "kn", bias, out_dtype, op="fwd")
-        c = c2.unsqueeze(0)
-        return c if out is None else out.copy_(c)
+        return gemm(a[0], b[0], "kn", bias, out_dtype, op="fwd").unsqueeze(0)
     if _shared_weight_rows(a, b):
-        c2 = gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd")
-        c = c2.view(lb, m, n)
-        return c if out is None else out.copy_(c)
+        return gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd").view(lb, m, n)
     if key is None:
         key = _key(a, b, bias, out_dtype)
     plan = _plans.get(key)
@@ -133,15 +115,12 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             _plans.clear()
         _plans[key] = plan
     if plan.stage_a:
-        a = _stage_k_major(a, 2)
+        a = stage_k_major(a, True)
     if plan.stage_b:
-        b = _stage_k_major(b, 1)  # [L, N, Kp]: the "nk" form
+        b = stage_k_major(b, False)  # [L, N, Kp]: the "nk" form
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    if out is not None and not plan.pad_cols and out.dtype == out_dtype \
-            and _inner_unit(out) == "last":
-        c = out
-    elif plan.pad_cols:
+    if plan.pad_cols:
         c = torch.empty((lb, m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :, :n]
     else:
         c = torch.empty((lb, m, n), dtype=out_dtype, device=a.device)
@@ -151,8 +130,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             _launch(plan, a, b, c, bias, lb)
     else:
         _launch(plan, a, b, c, bias, lb)
-    if out is not None:
-        return out if c is out else out.copy_(c)
     return c.contiguous() if plan.pad_cols else c
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import batched
-from .errors import check_bmm_args
+from .errors import check_bmm_args, check_operand_dtypes, check_out_and_bias
 from .gemm import gemm
 
 _NAMES = ("a", "b", "bias")
@@ -169,15 +169,8 @@ def _group_ends(offs: Tensor, total: int, op: str) -> list[int]:
 
 
 def check_grouped_args(a, b, offs, out_dtype, op):
-    for x, name in ((a, "a"), (b, "b")):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
-        raise TypeError(f"{op}: a and b must both be torch.bfloat16 or both torch.float16, "
-                        f"got {a.dtype} and {b.dtype}")
-    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"{op}: out_dtype must be torch.bfloat16, torch.float16, "
-                        f"torch.float32 or None, got {out_dtype}")
+    check_operand_dtypes(a, b, "a", "b", op)
+    check_out_and_bias(out_dtype, None, 0, a.dtype, "a", "bias", op)
     if b.device != a.device:
         raise ValueError(f"{op}: b is on {b.device} but a is on {a.device}")
     forms = {(2, 3): "2-D x 3-D", (2, 2): "2-D x 2-D", (3, 3): "3-D x 3-D"}

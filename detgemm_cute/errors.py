@@ -21,7 +21,7 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
                     check_device=True):
     """Validate C = a @ op(b) (+ bias). `b_form` is 'nk' (b is [N, K]) or 'kn' ([K, N])."""
     an, bn, biasn = names
-    _check_operand_dtypes(a, b, an, bn, op)
+    check_operand_dtypes(a, b, an, bn, op)
     if a.dim() != 2:
         raise ValueError(f"{op}: {an} must be 2-D [M, K], got shape {tuple(a.shape)}")
     if b.dim() != 2:
@@ -38,14 +38,15 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
     for dim_name, v in (("M", m), ("N", n), ("K", k)):
         if v > MAX_DIM:
             raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
-    _check_out_and_bias(out_dtype, bias, n, a.dtype, an, biasn, op)
+    check_out_and_bias(out_dtype, bias, n, a.dtype, an, biasn, op)
     if check_device:
         check_devices(a, b, bias, op, names)
     else:  # fake tensors (tracing) carry real devices; they must still agree
         _same_device(a, b, bias, op, names)
 
 
-def _check_operand_dtypes(a, b, an, bn, op):
+def check_operand_dtypes(a, b, an, bn, op):
+    """a and b are tensors of one 16-bit input dtype."""
     _need_tensor(a, an, op)
     _need_tensor(b, bn, op)
     if a.dtype not in IN_DTYPES:
@@ -54,7 +55,8 @@ def _check_operand_dtypes(a, b, an, bn, op):
         raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
 
 
-def _check_out_and_bias(out_dtype, bias, n, dtype, an, biasn, op):
+def check_out_and_bias(out_dtype, bias, n, dtype, an, biasn, op):
+    """out_dtype is a supported output dtype; bias (if any) is [n] of the input dtype."""
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be one of torch.bfloat16, torch.float16, "
                         f"torch.float32 or None, got {out_dtype}")
@@ -70,7 +72,7 @@ def _check_out_and_bias(out_dtype, bias, n, dtype, an, biasn, op):
 def check_bmm_args(a, b, bias, out_dtype, op, names=("a", "b", "bias"), check_device=True):
     """Validate C[l] = a[l] @ b[l] (+ bias): a [L, M, K], b [L, K, N], bias [N]."""
     an, bn, biasn = names
-    _check_operand_dtypes(a, b, an, bn, op)
+    check_operand_dtypes(a, b, an, bn, op)
     if a.dim() != 3:
         raise ValueError(f"{op}: {an} must be 3-D [L, M, K], got shape {tuple(a.shape)}")
     if b.dim() != 3:
@@ -84,7 +86,7 @@ def check_bmm_args(a, b, bias, out_dtype, op, names=("a", "b", "bias"), check_de
     for dim_name, v in zip("LMKN", (*a.shape, b.shape[2])):
         if v > MAX_DIM:
             raise ValueError(f"{op}: {dim_name}={v} exceeds the supported maximum {MAX_DIM}")
-    _check_out_and_bias(out_dtype, bias, b.shape[2], a.dtype, an, biasn, op)
+    check_out_and_bias(out_dtype, bias, b.shape[2], a.dtype, an, biasn, op)
     if check_device:
         check_devices(a, b, bias, op, names)
     else:

@@ -104,13 +104,14 @@ def _unit_dim(t: torch.Tensor) -> str | None:
     return None
 
 
-def _stage_k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
-    """Copy `t` into a fresh buffer, K contiguous and zero-padded to a multiple of 8."""
-    rows = t.shape[1 - k_dim]
-    k = t.shape[k_dim]
-    kp = -(-k // 8) * 8
-    out = torch.zeros((rows, kp), dtype=t.dtype, device=t.device)
-    out[:, :k].copy_(t if k_dim == 1 else t.t())
+def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
+    """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
+    [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8."""
+    src = t if k_last else t.transpose(-1, -2)
+    k = src.shape[-1]
+    out = torch.empty((*src.shape[:-1], -(-k // 8) * 8), dtype=t.dtype, device=t.device)
+    out[..., :k].copy_(src)
+    out[..., k:].zero_()
     return out
 
 
@@ -206,9 +207,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
                          key or _key(a, b, b_form, bias, out_dtype, op, acc), m, n, k)
     if plan.stage_a:
-        a = _stage_k_major(a, 1)
+        a = stage_k_major(a, True)
     if plan.stage_b:
-        b = _stage_k_major(b, 1 if b_form == "nk" else 0)
+        b = stage_k_major(b, b_form == "nk")
     if plan.bias_copy:
         bias = bias.contiguous()
     if acc is not None and not plan.acc_copy:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from . import batched
-from .batched_ops import _grouped_impl, bias_row, broadcasts_to
+from .batched_ops import _grouped_impl, bias_row, broadcasts_to, scaled_sum
 from .gemm import arch_of, gemm
 
 _IN = (torch.bfloat16, torch.float16)
@@ -145,30 +145,12 @@ def _mm2d(a, b, out=None, bias=None, out_dtype=None):
     return gemm(a, b, "kn", bias, out_dtype, op=_table(a, b), out=out)
 
 
-def _bias_row(self, n):
-    """`self` as a length-N bias when it is one broadcast row (None otherwise)."""
-    if self.dim() == 1 and self.shape[0] == n:
-        return self
-    if self.dim() == 2 and self.shape[1] == n and (self.shape[0] == 1 or self.stride(0) == 0):
-        return self[0]
-    return None
-
-
-def _scaled(y32, self, beta, alpha, dtype):
-    """alpha * y + beta * self in fp32 (beta == 0 ignores self, as PyTorch does), one
-    rounding to dtype."""
-    r = y32 if alpha == 1 else y32 * alpha
-    if beta != 0:
-        r = r + (self.float() if beta == 1 else self.float() * beta)
-    return r.to(dtype)
-
-
 def _addmm_value(self, m1, m2, beta, alpha):
     n = m2.shape[1]
-    bias = _bias_row(self, n) if beta == 1 and alpha == 1 else None
+    bias = bias_row(self, n) if beta == 1 and alpha == 1 else None
     if bias is not None:
         return _mm2d(m1, m2, bias=bias)
-    return _scaled(_mm2d(m1, m2, out_dtype=torch.float32), self, beta, alpha, m1.dtype)
+    return scaled_sum(_mm2d(m1, m2, out_dtype=torch.float32), self, beta, alpha, m1.dtype)
 
 
 def _bmm_value(b1, b2, out_dtype=None, bias=None):
@@ -249,7 +231,7 @@ def _baddbmm_value(self, b1, b2, beta, alpha):
     if row is not None and row.dtype == b1.dtype:
         return _bmm_value(b1, b2, bias=row)
     y32 = _bmm_value(b1, b2, out_dtype=torch.float32)
-    return _scaled(y32, self, beta, alpha, b1.dtype)
+    return scaled_sum(y32, self, beta, alpha, b1.dtype)
 
 
 def _baddbmm(self, b1, b2, *, beta=1, alpha=1):
@@ -296,7 +278,7 @@ def _addmv(self, a, v, *, beta=1, alpha=1):
         raise _Fallback
     _route("addmv", a, v, self)
     y32 = _mm2d(a, v.unsqueeze(1), out_dtype=torch.float32)[:, 0]
-    return _scaled(y32, self, beta, alpha, a.dtype)
+    return scaled_sum(y32, self, beta, alpha, a.dtype)
 
 
 _REPLACEMENTS = {
