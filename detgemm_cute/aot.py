@@ -40,8 +40,21 @@ def audit_ptx(ptx: str, family: str = "sm90") -> list[str]:
     return problems
 
 
+def _split_variants(bucket, which: str):
+    """fp32 buckets: the split operands are always K-major [rows, K'] 16-bit parts (B as
+    [N, K']: fp16 for fwd/dx, bf16 for dW), the output the fp32 accumulator (bias and
+    rounding come after); dW from +0.0 or continuing a buffer."""
+    base = dict(dtype="bf16" if bucket.op == "dw" else "fp16", out_dtype="fp32", a_major="k",
+                b_form="nk", b_contig="last", has_bias=False, split=True)
+    for acc in ((False, True) if bucket.op == "dw" else (False,)):
+        yield dict(base, accumulate=acc)
+
+
 def _variants(bucket, which: str):
     """The kernel keys to build for one bucket: per op, the layouts its calls use."""
+    if "fp32" in bucket.dtypes:
+        yield from _split_variants(bucket, which)
+        return
     if bucket.op == "dw":  # fp32 out, no bias; from +0.0 or continuing a buffer
         layouts = _LAYOUTS if which == "all" else (("m", "kn", "last"), ("m", "nk", "last"))
         for dtype in bucket.dtypes:
@@ -111,7 +124,8 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                 label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
                          + (" acc" if call.get("accumulate") else "")
-                         + (" batched" if call.get("batched") else ""))
+                         + (" batched" if call.get("batched") else "")
+                         + (" split(fp32)" if call.get("split") else ""))
                 t0 = time.time()
                 total += 1
                 if key in done:
@@ -145,7 +159,7 @@ def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
         if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):
             continue
         for call in _variants(b, variants):
-            if dtypes and call["dtype"] not in dtypes:
+            if dtypes and ("fp32" if call.get("split") else call["dtype"]) not in dtypes:
                 continue
             key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
             if key not in seen:

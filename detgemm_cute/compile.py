@@ -43,6 +43,10 @@ class KernelKey:
     arch: str = "sm_90a"
     accumulate: bool = False  # start from the fp32 values in C (dW +=) instead of +0.0
     batched: bool = False  # A, B, C are [L, ., .] batches (bmm), one launch for all entries
+    # The fp32 tier: A and B are fp32 operands split into scaled fp16 parts (`split.operand`,
+    # both [rows, K'] K-major); each k tile is a chunk summed from +0.0 and added to the fp32
+    # accumulator. `dtype` is then "fp16" (what the kernel reads), out fp32, no bias.
+    split: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -133,11 +137,20 @@ def build(key: KernelKey, extra_options: str = ""):
 
     gemm = kernel_module(key.arch).kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
                                         b_is_kn=key.b_form == "kn", has_bias=key.has_bias,
-                                        accumulate=key.accumulate)
+                                        accumulate=key.accumulate, **_kernel_options(key))
     a, b, c, bias, stream = _make_fakes(key)
     # max_clusters is a run-time argument: the persistent grid is sized to the GPU it runs on.
     return cute.compile(gemm, a, b, c, bias, cutlass.Int32(1), stream,
                         options=f"--enable-tvm-ffi --gpu-arch {key.arch} {extra_options}".strip())
+
+
+def _kernel_options(key: KernelKey) -> dict:
+    """Constructor options only some kernel families take."""
+    if key.split:
+        if family_of(key.arch) != "sm90":
+            raise ValueError(f"the fp32 (split) tier has sm90 kernels only, not {key.arch}")
+        return {"chunked": True}
+    return {}
 
 
 def get(key: KernelKey):

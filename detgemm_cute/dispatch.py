@@ -16,7 +16,7 @@ from .registry import ArchNotAvailable, Bucket, ConfigError, NoBucketError, Regi
 _memo: dict = {}
 _memo_lock = threading.Lock()
 _MEMO_MAX = 1 << 16
-_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
 def _clear_memo() -> None:
@@ -65,13 +65,13 @@ def bucket_by_name(arch: str, name: str) -> Bucket:
 
 
 def dtype_name(dtype) -> str:
-    """'bf16' / 'fp16' for torch.bfloat16 / torch.float16 (names pass through)."""
+    """'bf16' / 'fp16' / 'fp32' for torch.bfloat16 / float16 / float32 (names pass through)."""
     if isinstance(dtype, str) and dtype in _registry.DTYPES:
         return dtype
     name = _DTYPE_NAMES.get(str(dtype))
     if name is None:
         raise TypeError(f"unsupported dtype {dtype}; supported: torch.bfloat16 (bf16), "
-                        f"torch.float16 (fp16)")
+                        f"torch.float16 (fp16), torch.float32 (fp32)")
     return name
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
+# mm / linear / dX / dW also take fp32 inputs (the split fp32 tier); bmm takes IN_DTYPES.
+GEMM_DTYPES = IN_DTYPES + (torch.float32,)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_DIM = 2**31 - 1
 
@@ -21,7 +23,7 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
                     check_device=True):
     """Validate C = a @ op(b) (+ bias). `b_form` is 'nk' (b is [N, K]) or 'kn' ([K, N])."""
     an, bn, biasn = names
-    check_operand_dtypes(a, b, an, bn, op)
+    check_operand_dtypes(a, b, an, bn, op, GEMM_DTYPES)
     if a.dim() != 2:
         raise ValueError(f"{op}: {an} must be 2-D [M, K], got shape {tuple(a.shape)}")
     if b.dim() != 2:
@@ -45,12 +47,16 @@ def check_gemm_args(a, b, b_form, bias, out_dtype, op, names=("a", "b", "bias"),
         _same_device(a, b, bias, op, names)
 
 
-def check_operand_dtypes(a, b, an, bn, op):
-    """a and b are tensors of one 16-bit input dtype."""
+_DTYPE_TEXT = {IN_DTYPES: "torch.bfloat16 or torch.float16",
+               GEMM_DTYPES: "torch.bfloat16, torch.float16 or torch.float32"}
+
+
+def check_operand_dtypes(a, b, an, bn, op, allowed=IN_DTYPES):
+    """a and b are tensors of one input dtype drawn from `allowed`."""
     _need_tensor(a, an, op)
     _need_tensor(b, bn, op)
-    if a.dtype not in IN_DTYPES:
-        raise TypeError(f"{op}: {an} must be torch.bfloat16 or torch.float16, got {a.dtype}")
+    if a.dtype not in allowed:
+        raise TypeError(f"{op}: {an} must be {_DTYPE_TEXT[allowed]}, got {a.dtype}")
     if b.dtype != a.dtype:
         raise TypeError(f"{op}: {bn} must have the same dtype as {an} ({a.dtype}), got {b.dtype}")
 

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry
+from . import dispatch, registry, split
 from .errors import check_gemm_args
 
 _ALIGN = 16
@@ -125,48 +125,56 @@ class _Plan:
                  "max_clusters", "fast", "out_shape", "out_dtype", "device", "dev_index")
 
     def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, acc_copy, max_clusters,
-                 out_shape=None, out_dtype=None, device=None, accumulate=False):
+                 out_shape=None, out_dtype=None, device=None, accumulate=False, split=False):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.pad_cols, self.bias_copy, self.max_clusters = pad_cols, bias_copy, max_clusters
         self.acc_copy = acc_copy
-        self.fast = not (stage_a or stage_b or pad_cols or bias_copy or accumulate)
+        self.fast = not (stage_a or stage_b or pad_cols or bias_copy or accumulate or split)
         self.out_shape, self.out_dtype, self.device = out_shape, out_dtype, device
         self.dev_index = None if device is None else device.index
 
 
-def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k):
+def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
+    """`split_in`: a and b are the fp32 tier's fp16 parts (K-major [rows, K'], b as
+    [N, K']); the bucket comes from the fp32 table at the original K."""
     arch = arch_of(a.device)
     dtype = _NAMES[a.dtype]
     forced = _forced.name
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
-              else dispatch.lookup(op, dtype, arch, m, n, k))
-    a_unit, b_contig = _unit_dim(a), _unit_dim(b)
-    if a_unit == "first" and bucket.tile[0] < 64:
-        a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
-    stage_a, stage_b = a_unit is None, b_contig is None
-    a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
-    if stage_b:  # staged B is [N, K] K-major
-        b_form_eff, b_contig = "nk", "last"
+              else dispatch.lookup(op, "fp32" if split_in else dtype, arch, m, n, k))
+    if split_in:
+        stage_a = stage_b = False
+        a_major, b_form_eff, b_contig = "k", "nk", "last"
     else:
-        b_form_eff = b_form
+        a_unit, b_contig = _unit_dim(a), _unit_dim(b)
+        if a_unit == "first" and bucket.tile[0] < 64:
+            a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
+        stage_a, stage_b = a_unit is None, b_contig is None
+        a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
+        if stage_b:  # staged B is [N, K] K-major
+            b_form_eff, b_contig = "nk", "last"
+        else:
+            b_form_eff = b_form
     el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
     pad_cols = -(-n // el) * el if n % el else 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
-        accumulate=acc is not None)
+        accumulate=acc is not None, split=bool(split_in))
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
     bias_copy = bias is not None and bias.stride(0) != 1
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
-                 max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None)
+                 max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None,
+                 split=bool(split_in))
 
 
-def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None):
+def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, split_in=False):
     """Everything the plan and the input checks depend on, so a hit needs neither again.
     (Built on every call: attribute reads only, in one tuple.)"""
-    return (op, b_form, out_dtype, a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype,
+    return (op, b_form, out_dtype, split_in, a.shape, a.stride(), b.shape, b.stride(), a.dtype,
+            b.dtype,
             a.device, b.device, not a.data_ptr() & 15, not b.data_ptr() & 15,
             None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()),
             None if acc is None else (acc.shape, acc.dtype, acc.device, acc.stride(),
@@ -174,10 +182,10 @@ def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None):
             _forced.name, _forced.family)
 
 
-def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k):
+def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k, split_in=False):
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k)
+        plan = _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in)
         if len(_plans) > 8192:
             _plans.clear()
         _plans[key] = plan
@@ -186,13 +194,16 @@ def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k):
 
 def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | None,
          out_dtype: torch.dtype | None, key=None, plan=None, op: str = "fwd",
-         acc: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         acc: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         split_in: int = 0) -> torch.Tensor:
     """C = A @ op(B) (+ bias), op(B) = B^T for b_form 'nk', B for 'kn'. Validated inputs.
 
     `op` picks the dispatch table (fwd | dx | dw). With `acc` (fp32 [M, N], dW +=) the
     chain continues from acc's values and the result is written back into acc, which is
     returned; out_dtype must then be fp32 and bias None. `out` ([M, N] of out_dtype) receives
-    the result: written in place when TMA can address it, else copied in."""
+    the result: written in place when TMA can address it, else copied in. fp32 inputs run
+    the fp32 tier (`split`); `split_in` (original K per chunk) marks its inner call on the
+    16-bit parts."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
     out_dtype = out_dtype or a.dtype
@@ -201,11 +212,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
             return acc if acc is not None else out
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     if a.device.type == "cpu":
-        c = _on_cpu(a, b, b_form, bias, out_dtype, acc)
+        c = _on_cpu(a, b, b_form, bias, out_dtype, acc, op)
         return out.copy_(c) if out is not None else c
+    if a.dtype == torch.float32:
+        return _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out)
     if plan is None:
+        if split_in:  # the fp32 table is keyed by the real K (split_in: K per chunk)
+            k = k // split.CHUNK_K * split_in
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
-                         key or _key(a, b, b_form, bias, out_dtype, op, acc), m, n, k)
+                         key or _key(a, b, b_form, bias, out_dtype, op, acc, split_in), m, n, k,
+                         split_in)
     if plan.stage_a:
         a = stage_k_major(a, True)
     if plan.stage_b:
@@ -238,14 +254,45 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     return c.contiguous() if plan.pad_cols else c
 
 
-def _on_cpu(a, b, b_form, bias, out_dtype, acc=None):
-    """CPU tensors: the bit-exact reference of the SM90 chain (same bits, much slower)."""
+def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
+    """The fp32 tier on the GPU (`split`). fwd/dX: scale and split both operands into fp16
+    parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then bias and the one
+    rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`."""
+    b_nk = b if b_form == "nk" else b.t()
+    if op == "dw":
+        a2, b2 = split.exact_operand(a, "a"), split.exact_operand(b_nk, "b")
+        y = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=acc,
+                 split_in=split.EXACT_BLOCK_K)
+        if acc is not None:
+            return acc
+    else:
+        sa, sb = split.row_scales(a), split.row_scales(b_nk)
+        a2, b2 = split.operand(a, sa, "a"), split.operand(b_nk, sb, "b")
+        c = None if acc is None else split.scale_acc(acc, sa, sb)
+        c = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
+        y = split.unscale(c, sa, sb)
+        if acc is not None:
+            return acc.copy_(y)
+    if bias is not None:
+        y = y + bias
+    if out_dtype is not None and out_dtype != torch.float32:
+        y = y.to(out_dtype)
+    return out.copy_(y) if out is not None else y
+
+
+def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):
+    """CPU tensors: the bit-exact reference of the SM90 chain (same bits, much slower).
+    `op` matters for fp32 inputs only: dW runs the fp32 tier's exact-parts scheme."""
     from . import reference
 
+    b_kn = b.t() if b_form == "nk" else b
     if acc is not None:
-        b_kn = b.t() if b_form == "nk" else b
-        acc.copy_(reference.chain(a, b_kn, acc))
+        acc.copy_(reference.chain(a, b_kn, acc, op=op))
         return acc
+    if op == "dw" and a.dtype == torch.float32:
+        y = reference.chain(a, b_kn, op=op)
+        y = y if bias is None else y + bias
+        return y.to(out_dtype)
     if b_form == "nk":
         return reference.linear(a, b, bias, out_dtype=out_dtype)
     if bias is None:

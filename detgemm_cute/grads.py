@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from .errors import IN_DTYPES, MAX_DIM, check_devices, check_gemm_args
+from .errors import GEMM_DTYPES, MAX_DIM, check_devices, check_gemm_args
 from .gemm import gemm
 
 _FP32 = torch.float32
@@ -86,9 +86,9 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = No
 def check_bias_grad(dy, acc, op, check_device=True) -> torch.Tensor:
     """Validate the bias gradient's arguments; returns dY as 2-D."""
     _check_tensor_rank(dy, "grad_output", op)
-    if dy.dtype not in IN_DTYPES:
-        raise TypeError(f"{op}: grad_output must be torch.bfloat16 or torch.float16, got "
-                        f"{dy.dtype}")
+    if dy.dtype not in GEMM_DTYPES:
+        raise TypeError(f"{op}: grad_output must be torch.bfloat16, torch.float16 or "
+                        f"torch.float32, got {dy.dtype}")
     if check_device:
         check_devices(dy, dy, None, op, ("grad_output", "grad_output", "bias"))
     dy2 = _flat(dy)
@@ -154,9 +154,9 @@ def _check_token_pair(dy, x, dy_name, x_name, op, check_device=True):
         raise ValueError(f"{op}: {dy_name} {tuple(dy.shape)} and {x_name} {tuple(x.shape)} "
                          f"must have the same leading (token) dims")
     for t, name in ((dy, dy_name), (x, x_name)):
-        if t.dtype not in IN_DTYPES:
-            raise TypeError(f"{op}: {name} must be torch.bfloat16 or torch.float16, got "
-                            f"{t.dtype}")
+        if t.dtype not in GEMM_DTYPES:
+            raise TypeError(f"{op}: {name} must be torch.bfloat16, torch.float16 or "
+                            f"torch.float32, got {t.dtype}")
     if x.dtype != dy.dtype:
         raise TypeError(f"{op}: {x_name} must have the same dtype as {dy_name} ({dy.dtype}), "
                         f"got {x.dtype}")

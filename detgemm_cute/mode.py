@@ -20,8 +20,10 @@ one launch (`batched`: the same chain per entry; the batch count changes nothing
 operand layout: a transposed A is a dW-shaped GEMM (``dw`` table), a ``[K, N]``-contiguous B
 a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bits.
 
-What detgemm cannot take (inputs other than bf16/fp16, mixed dtypes, a GPU without detgemm
-kernels) falls back to PyTorch's own kernel (the original, obtained with
+fp32 ``mm``/``addmm``/``mv`` run on the fp32 tier (`split`: full fp32 accuracy, whatever
+``torch.backends.cuda.matmul`` says about TF32); fp32 ``bmm``/``baddbmm``/``_grouped_mm``
+are not built yet and fall back. What detgemm cannot take (those, other dtypes, mixed
+dtypes, a GPU without detgemm kernels) falls back to PyTorch's own kernel (the original, obtained with
 ``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
 guaranteed; ``strict=True`` raises instead. Malformed calls (wrong ranks or shapes) go to
 PyTorch's kernel so its usual error comes out.
@@ -42,7 +44,9 @@ from .batched_ops import _grouped_impl, bias_row, broadcasts_to, scaled_sum
 from .gemm import arch_of, gemm
 
 _IN = (torch.bfloat16, torch.float16)
-_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_IN_2D = _IN + (torch.float32,)  # mm / addmm / mv: fp32 runs on the split fp32 tier
+_BATCHED = ("bmm", "baddbmm", "_grouped_mm")
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _lock = threading.RLock()
 _stack: list[bool] = []  # strictness of each active enable(), innermost last
 _lib = None
@@ -78,11 +82,12 @@ def _device_problem(t: torch.Tensor) -> str | None:
     return reason
 
 
-def _problem(*ts) -> str | None:
+def _problem(*ts, dtypes=_IN_2D) -> str | None:
     dt, dev = ts[0].dtype, ts[0].device
     for t in ts:
-        if t.dtype not in _IN:
-            return f"{t.dtype} inputs (detgemm takes bfloat16/float16)"
+        if t.dtype not in dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+            return f"{t.dtype} inputs (detgemm takes {names} here)"
         if t.dtype != dt:
             return f"mixed dtypes {ts[0].dtype}/{t.dtype}"
         if t.device != dev:
@@ -108,7 +113,7 @@ class _Fallback(Exception):
 
 def _route(op: str, *ts):
     """Count a routed call, or decide a fallback (raise when strict)."""
-    why = _problem(*ts)
+    why = _problem(*ts, dtypes=_IN if op.startswith(_BATCHED) else _IN_2D)
     if why is None:
         _routed[(op, _NAMES[ts[0].dtype])] += 1
         return
@@ -142,7 +147,10 @@ def _mm2d(a, b, out=None, bias=None, out_dtype=None):
             r = r + bias.float()
         r = r.to(dt)
         return r if out is None else out.copy_(r)
-    return gemm(a, b, "kn", bias, out_dtype, op=_table(a, b), out=out)
+    # fp32: the fwd scheme whatever the layout (dW's exact-parts scheme is for weight_grad),
+    # so the bits of an fp32 matmul never depend on how its operands are stored.
+    op = _table(a, b) if a.dtype != torch.float32 else "fwd"
+    return gemm(a, b, "kn", bias, out_dtype, op=op, out=out)
 
 
 def _addmm_value(self, m1, m2, beta, alpha):

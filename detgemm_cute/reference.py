@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import split
 from .errors import IN_DTYPES, OUT_DTYPES, check_gemm_args
 
 BLOCK_K = 16
@@ -169,6 +170,30 @@ def _acc_nominal(acc64: torch.Tensor, model: ChainModel) -> torch.Tensor:
     return torch.where(acc64 == 0, torch.full((), zero, dtype=acc64.dtype), nom)
 
 
+def _block_step(a_vj, a_nj, b_vj, b_nj, acc, model, prod, nom, e_max):
+    """One 16-wide block onto the fp32 accumulators: a_* [..., m, 16], b_* [..., n, 16],
+    acc fp32 [..., m, n]; prod/nom [..., m, n, 16] and e_max [..., m, n] are scratch."""
+    torch.mul(a_vj.unsqueeze(-2), b_vj.unsqueeze(-3), out=prod)  # exact products
+    torch.add(a_nj.unsqueeze(-2), b_nj.unsqueeze(-3), out=nom)  # nominal exponents
+    torch.amax(nom, dim=-1, out=e_max)
+    acc64 = acc.to(torch.float64)
+    torch.maximum(e_max, _acc_nominal(acc64, model), out=e_max)
+    e_max.masked_fill_(e_max == -math.inf, 0.0)  # every term is zero: any scale works
+    # s = 2^(25 - E), built from its bits (exact on every platform): terms in units of
+    # 2^(E - 25); trunc() is the truncation toward zero.
+    s = ((1023 + ALIGN_BITS - e_max).to(torch.int64) << 52).view(torch.float64)
+    prod.mul_(s.unsqueeze(-1)).trunc_()
+    total = prod.sum(dim=-1)
+    total.add_(torch.trunc(acc64 * s)).add_(0.0)  # exact integer sum; 0 is +0
+    return _round_to_fp32_rz(total.div_(s), model)
+
+
+def _scratch(*lead):
+    return (torch.empty((*lead, BLOCK_K), dtype=torch.float64),
+            torch.empty((*lead, BLOCK_K), dtype=torch.float64),
+            torch.empty(lead, dtype=torch.float64))
+
+
 def _chain_tile(a_v, a_n, b_v, b_n, acc, model, seen=None, a_nf=None, b_nf=None):
     """Run all K-blocks for one output tile. a_*: [KB, m, 16], b_*: [KB, n, 16]; acc fp32
     [m, n] (finite). Returns (acc fp32, +Inf mask, -Inf mask) where the last two mark
@@ -179,24 +204,10 @@ def _chain_tile(a_v, a_n, b_v, b_n, acc, model, seen=None, a_nf=None, b_nf=None)
     finite sums, so only an overflow before the first NaN/Inf product counts."""
     kb, m, _ = a_v.shape
     n = b_v.shape[1]
-    prod = torch.empty((m, n, BLOCK_K), dtype=torch.float64)
-    nom = torch.empty((m, n, BLOCK_K), dtype=torch.float64)
-    e_max = torch.empty((m, n), dtype=torch.float64)
+    scratch = _scratch(m, n)
     ovf_pos = ovf_neg = None
     for j in range(kb):
-        torch.mul(a_v[j].unsqueeze(1), b_v[j].unsqueeze(0), out=prod)  # exact products
-        torch.add(a_n[j].unsqueeze(1), b_n[j].unsqueeze(0), out=nom)  # nominal exponents
-        torch.amax(nom, dim=2, out=e_max)
-        acc64 = acc.to(torch.float64)
-        torch.maximum(e_max, _acc_nominal(acc64, model), out=e_max)
-        e_max.masked_fill_(e_max == -math.inf, 0.0)  # every term is zero: any scale works
-        # s = 2^(25 - E), built from its bits (exact on every platform): terms in units of
-        # 2^(E - 25); trunc() is the truncation toward zero.
-        s = ((1023 + ALIGN_BITS - e_max).to(torch.int64) << 52).view(torch.float64)
-        prod.mul_(s.unsqueeze(2)).trunc_()
-        total = prod.sum(dim=2)
-        total.add_(torch.trunc(acc64 * s)).add_(0.0)  # exact integer sum; 0 is +0
-        acc = _round_to_fp32_rz(total.div_(s), model)
+        acc = _block_step(a_v[j], a_n[j], b_v[j], b_n[j], acc, model, *scratch)
         if model.overflow == "inf":
             if a_nf is not None:
                 seen = seen | a_nf[j].unsqueeze(1) | b_nf[j].unsqueeze(0)
@@ -303,6 +314,74 @@ def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
     return torch.where(nan, torch.full_like(out, math.nan), out)
 
 
+def _chain_split(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
+                 model: ChainModel, op: str = "fwd") -> torch.Tensor:
+    """fp32 operands: the fp32 tier's chunked chain on 16-bit parts (`split`). fwd/dX:
+    scaled fp16 parts, chunks of one 32-wide block of K, the sum unscaled; dW: exact bf16
+    parts, chunks of one 16-wide block, no scales. Each chunk (six 16-wide steps) is the
+    chain from +0.0; the chunks are added in ascending K to the fp32 accumulator with IEEE
+    adds."""
+    m, n = a.shape[0], b_nk.shape[0]
+    exact = op == "dw"
+    if exact:
+        out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc.clone()
+        a2, b2 = split.exact_operand(a, "a"), split.exact_operand(b_nk, "b")
+    else:
+        sa, sb = split.row_scales(a), split.row_scales(b_nk)
+        out = (torch.zeros((m, n), dtype=torch.float32) if acc is None
+               else split.scale_acc(acc, sa, sb))
+        a2, b2 = split.operand(a, sa, "a"), split.operand(b_nk, sb, "b")
+    if m == 0:
+        return out
+    out = _chunked(a2, b2, out, model)
+    return out if exact else split.unscale(out, sa, sb)
+
+
+def _chunked(a2, b2, out, model):
+    """out + the chunks of a2 [M, K'] @ b2 [N, K']^T (16-bit parts, six steps per chunk)."""
+    m, n = a2.shape[0], b2.shape[0]
+    a_val, a_n, a_masks = _operand(a2, model)
+    b_val, b_n, b_masks = _operand(b2, model)
+    steps = split.STEPS
+    a_v, a_n = (t.view(-1, steps, m, BLOCK_K).transpose(0, 1) for t in _blocks(a_val, a_n))
+    b_v, b_n = (t.view(-1, steps, n, BLOCK_K).transpose(0, 1) for t in _blocks(b_val, b_n))
+    chunks = a_v.shape[1]
+    cols = min(n, max(1, _TILE_ELEMS // (BLOCK_K * chunks)))
+    rows = max(1, _TILE_ELEMS // (cols * BLOCK_K * chunks))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        for c0 in range(0, n, cols):
+            c1 = min(n, c0 + cols)
+            scratch = _scratch(chunks, r1 - r0, c1 - c0)
+            part = torch.zeros((chunks, r1 - r0, c1 - c0), dtype=torch.float32)
+            for st in range(steps):
+                part = _block_step(a_v[st, :, r0:r1], a_n[st, :, r0:r1], b_v[st, :, c0:c1],
+                                   b_n[st, :, c0:c1], part, model, *scratch)
+            total = out[r0:r1, c0:c1]
+            for c in range(chunks):
+                total = total + part[c]  # IEEE fp32, round to nearest even
+            out[r0:r1, c0:c1] = total
+    if a_masks is not None or b_masks is not None:
+        # NaN/Inf part products: an Inf or NaN input has NaN lower parts.
+        a_masks = a_masks if a_masks is not None else _no_specials(a_val)
+        b_masks = b_masks if b_masks is not None else _no_specials(b_val)
+        nan, pinf, ninf = _special_counts(a_masks, {k: v.t() for k, v in b_masks.items()})
+        nan = nan | torch.isnan(out) | (pinf & ninf) | (pinf & (out == -math.inf)) | (
+            ninf & (out == math.inf))
+        out = torch.where(pinf, torch.full_like(out, math.inf), out)
+        out = torch.where(ninf, torch.full_like(out, -math.inf), out)
+        out = torch.where(nan, torch.full_like(out, math.nan), out)
+    return out
+
+
+def _accumulate(a, b_nk, acc, model, op="fwd"):
+    """The chain of the inputs' tier: fp32 inputs take the split chain (of `op`: dW has its
+    own scheme), 16-bit inputs the plain one."""
+    if a.dtype == torch.float32:
+        return _chain_split(a, b_nk, acc, model, op)
+    return _chain(a, b_nk, acc, model)
+
+
 def _epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
     """Bias as fp32, one IEEE fp32 add (round to nearest even), one rounding to out_dtype."""
     if bias is not None:
@@ -327,12 +406,16 @@ def _model(model):
 
 
 def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
-          model: ChainModel | None = None) -> torch.Tensor:
+          model: ChainModel | None = None, op: str = "dw") -> torch.Tensor:
     """The raw fp32 accumulator of ``a [M, K] @ b [K, N]``, continuing from ``acc``.
 
     ``acc`` (fp32 [M, N]) is where a previous chain stopped, as in ``dW += dY^T X``; without
-    it the chain starts at +0. No epilogue, no rounding beyond the chain's own."""
-    op = "detgemm_cute.reference.chain"
+    it the chain starts at +0. No epilogue, no rounding beyond the chain's own. `op` ("dw",
+    "fwd" or "dx") matters for fp32 inputs only: dW's split scheme differs (`split`)."""
+    if op not in ("fwd", "dx", "dw"):
+        raise ValueError(f"detgemm_cute.reference.chain: op must be 'fwd', 'dx' or 'dw', "
+                         f"got {op!r}")
+    gemm_op, op = op, "detgemm_cute.reference.chain"
     check_gemm_args(a, b, "kn", None, None, op, ("a", "b", "bias"), check_device=False)
     if acc is not None:
         if not isinstance(acc, torch.Tensor):
@@ -344,7 +427,7 @@ def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
         if tuple(acc.shape) != want:
             raise ValueError(f"{op}: acc must have shape [M, N] = {list(want)}, got "
                              f"{tuple(acc.shape)}")
-    return _chain(_cpu(a), _cpu(b).t(), _cpu(acc), _model(model))
+    return _accumulate(_cpu(a), _cpu(b).t(), _cpu(acc), _model(model), gemm_op)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, *,
@@ -352,7 +435,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, *
     """``a [M, K] @ b [K, N]`` -> [M, N] in ``out_dtype`` (default a's dtype), on CPU."""
     op = "detgemm_cute.reference.mm"
     check_gemm_args(a, b, "kn", None, out_dtype, op, ("a", "b", "bias"), check_device=False)
-    acc = _chain(_cpu(a), _cpu(b).t(), None, _model(model))
+    acc = _accumulate(_cpu(a), _cpu(b).t(), None, _model(model))
     return _epilogue(acc, None, out_dtype or a.dtype)
 
 
@@ -363,7 +446,7 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if bias is None:
         raise TypeError(f"{op}: bias must be a torch.Tensor, got None (use mm)")
     check_gemm_args(a, b, "kn", bias, out_dtype, op, ("a", "b", "bias"), check_device=False)
-    acc = _chain(_cpu(a), _cpu(b).t(), None, _model(model))
+    acc = _accumulate(_cpu(a), _cpu(b).t(), None, _model(model))
     return _epilogue(acc, _cpu(bias), out_dtype or a.dtype)
 
 
@@ -379,7 +462,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])
     check_gemm_args(x2, weight, "nk", bias, out_dtype, op, ("input", "weight", "bias"),
                     check_device=False)
-    acc = _chain(_cpu(x2), _cpu(weight), None, _model(model))
+    acc = _accumulate(_cpu(x2), _cpu(weight), None, _model(model))
     y = _epilogue(acc, _cpu(bias), out_dtype or x.dtype)
     return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])  # 2-D: not a view
 

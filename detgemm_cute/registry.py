@@ -26,7 +26,12 @@ import yaml
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
 OPS = ("fwd", "dx", "dw", "bmm")
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16", "fp32")
+# Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
+# where an op has fp32 buckets they must cover every (M, N, K) as well.
+REQUIRED_DTYPES = ("bf16", "fp16")
+# Ops the fp32 tier has (bmm takes 16-bit inputs only).
+FP32_OPS = ("fwd", "dx", "dw")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
 LIMITS_MODULES = {"sm90": "kernels.sm90_limits", "sm80": "kernels.sm80_limits"}
 FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync)"}
@@ -321,8 +326,11 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> Buck
     if len(probs.lines) != before:
         return None
     for field, msg in limits.check_config(values["tile"], values["cluster"], values["stages"],
-                                          values["persistent"]):
+                                          values["persistent"], dtypes=values["dtypes"]):
         probs.add(key_lines.get(field, line), msg, label, field)
+    if "fp32" in values["dtypes"] and values["op"] not in FP32_OPS:
+        probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no fp32 kernel; fp32 "
+                  f"buckets serve {', '.join(FP32_OPS)}", label, "dtypes")
     if len(probs.lines) != before:
         return None
     return Bucket(source=path, line=line, layer=0, **values)
@@ -449,9 +457,10 @@ def _check_coverage(buckets, probs: _Problems):
         for dtype in DTYPES:
             serving = [b for b in buckets if b.op == op and dtype in b.dtypes]
             if not serving:
-                probs.add(None, f"op {op} dtype {dtype} has no bucket; every op in the "
-                                f"built-in table must serve {' and '.join(DTYPES)}",
-                          "coverage", "dtypes")
+                if dtype in REQUIRED_DTYPES:
+                    probs.add(None, f"op {op} dtype {dtype} has no bucket; every op in the "
+                                    f"built-in table must serve {' and '.join(REQUIRED_DTYPES)}",
+                              "coverage", "dtypes")
                 continue
             gaps = coverage_gaps(serving)
             for gap in gaps[:20]:

@@ -52,8 +52,11 @@ def max_stages(tile: tuple[int, int, int]) -> int:
     return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
-def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
+def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
+    if "fp32" in dtypes:
+        return [("dtypes", "the sm80 kernel family has no fp32 (split, chunked) kernel; "
+                           "fp32 buckets exist for sm90 only")]
     problems = limits_common.tile_and_stage_problems(
         tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
     if tuple(cluster) != (1, 1):

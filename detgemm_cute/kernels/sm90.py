@@ -65,21 +65,24 @@ class _Sm90Base:
     producer_warpgroups = 0
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
-                 accumulate: bool = False):
+                 accumulate: bool = False, chunked: bool = False):
         self.tile_shape_mnk = tuple(tile)
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
         self.accumulate = accumulate
+        # Chunked chain (the fp32 tier): each k tile is summed from +0.0 on its own
+        # registers, then added to the accumulator with one fp32 add (see the module doc).
+        self.chunked = chunked
         self.cluster_shape_mn = tuple(cluster)
         self.ab_stage = stages
         self.b_is_kn = b_is_kn
         self.has_bias = has_bias
         self.acc_dtype = cutlass.Float32
-        self.mma_warp_groups = sm90_limits.warpgroups(tile[0], tile[1])
+        self.mma_warp_groups = sm90_limits.warpgroups(tile[0], tile[1], chunked)
         self.atom_layout_mnk = (self.mma_warp_groups, 1, 1)
         self.num_mma_threads = _WG * self.mma_warp_groups
         self.threads_per_cta = _WG * (self.mma_warp_groups + self.producer_warpgroups)
-        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1])  # staged through smem
+        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1], chunked)  # staged via smem
         # Stored per epilogue sub-tile: a row tile stores only its BM rows.
         self.store_tile = (min(tile[0], self.epi_tile[0]), self.epi_tile[1])
         self.buffer_align_bytes = 1024
@@ -296,6 +299,31 @@ class _Sm90Base:
         return read, release, prod
 
     @cute.jit
+    def _mainloop_chunked(self, ab_pipeline, read, tiled_mma, acc, part, tCrA, tCrB, k_tiles,
+                          refill):
+        """The chunked chain: for each k tile in order, its WGMMA steps run onto `part`
+        from +0.0; once they retire, ``acc = acc + part`` (one fp32 add, round to nearest
+        even, per element) and the stage is released at once (so, unlike `_mainloop`, every
+        stage this tile read is released on return). `refill` as in `_mainloop`."""
+        prod = None
+        if cutlass.const_expr(refill is not None):
+            prod = refill[1]
+        for _k in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(read)
+            part.fill(0.0)
+            self._mma_k_tile(tiled_mma, part, tCrA, tCrB, read.index)
+            cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + part[i]
+            ab_pipeline.consumer_release(read)
+            read.advance()
+            if cutlass.const_expr(refill is not None):
+                if refill[0] and prod.count < k_tiles:
+                    self._load_k_tile(ab_pipeline, prod, *refill[2:])
+                    prod.advance()
+        return read, prod
+
+    @cute.jit
     def _init_acc(self, acc, thr_mma_thread, mC_in_mnl, tile_m, tile_n, tile_l):
         """Start the chain: +0.0, or (dW +=) the fp32 values already in C, so this call
         continues exactly where the previous one stopped. Elements past M or N stay 0;
@@ -461,10 +489,15 @@ class Sm90Gemm(_Sm90Base):
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         # Warp 0 refills each freed stage with the next k tile from inside the mainloop.
-        read, release, prod = self._mainloop(
-            ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles,
-            (warp_idx == 0, prod, tma_atom_a, tAgA_k, tAsA, a_mask, tma_atom_b, tBgB_k,
-             tBsB, b_mask))
+        refill = (warp_idx == 0, prod, tma_atom_a, tAgA_k, tAsA, a_mask, tma_atom_b, tBgB_k,
+                  tBsB, b_mask)
+        if cutlass.const_expr(self.chunked):
+            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
+            read, prod = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+                                                tCrA, tCrB, k_tiles, refill)
+        else:
+            read, release, prod = self._mainloop(
+                ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles, refill)
         if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast):
             # Peers multicast into our shared memory until all are done with the mainloop.
             cute.arch.cluster_arrive()
@@ -535,6 +568,9 @@ class Sm90GemmPersistent(_Sm90Base):
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
+        part = None
+        if cutlass.const_expr(self.chunked):
+            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
         if wg_idx < self.producer_warpgroups:
@@ -578,10 +614,14 @@ class Sm90GemmPersistent(_Sm90Base):
                 release.reset_count()
                 self._init_acc(acc, tiled_mma.get_slice(mma_tidx), mC_in, *tile)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
-                                                  tCrA, tCrB, k_tiles, None)
-                ab_pipeline.consumer_release(release)
-                release.advance()
+                if cutlass.const_expr(self.chunked):
+                    read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+                                                     tCrA, tCrB, k_tiles, None)
+                else:
+                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
+                                                      acc, tCrA, tCrB, k_tiles, None)
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
 
                 if cutlass.const_expr(self.has_bias):
                     self._add_bias(acc, tiled_mma.get_slice(mma_tidx), mBias, mC_mn,

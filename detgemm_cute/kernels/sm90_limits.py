@@ -18,6 +18,12 @@ TILE_M = (8, 16, 32, 64, 128)
 # (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
 TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 TILE_K = (64, 128)
+# The fp32 tier (bf16 x 6 split, chunked chain): a k tile is one chunk of six 16-wide steps,
+# i.e. one 16-wide block of the original K; BK is fixed because it is part of the bits.
+SPLIT_TILE_K = 96
+# Chunked tiles keep two accumulator fragments (the sum and the chunk) per thread: at most
+# 64 x 128 per consumer warpgroup, so BN <= 128 and BM 128 runs on two warpgroups.
+SPLIT_TILE_N_MAX = 128
 CLUSTER_DIMS = (1, 2)
 MAX_CLUSTER_SIZE = 2
 STAGES = (2, 16)  # inclusive
@@ -37,29 +43,30 @@ def mma_rows(tile_m: int) -> int:
     return max(64, tile_m)
 
 
-def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
+def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False) -> tuple[int, int]:
     """Sub-tile the epilogue stages through shared memory (rows, cols): rows of the
     accumulator (64 or 128), and the wider of 32/16 columns that divides BN."""
     m = mma_rows(tile_m)
-    rows = min(128, m) if _two_warpgroups(tile_m, tile_n) else min(64, m)
+    rows = min(128, m) if _two_warpgroups(tile_m, tile_n, chunked) else min(64, m)
     cols = next(c for c in (32, 16) if tile_n % c == 0)
     return rows, cols
 
 
-def _two_warpgroups(tile_m: int, tile_n: int) -> bool:
-    # Wide tiles are split over two consumer warpgroups along M to avoid register spills.
-    return tile_m > 64 and tile_n > 128
+def _two_warpgroups(tile_m: int, tile_n: int, chunked: bool = False) -> bool:
+    # Wide tiles are split over two consumer warpgroups along M to avoid register spills;
+    # a chunked tile holds two fragments, so it splits from BN 128 down.
+    return tile_m > 64 and (chunked or tile_n > 128)
 
 
-def warpgroups(tile_m: int, tile_n: int) -> int:
-    return 2 if _two_warpgroups(tile_m, tile_n) else 1
+def warpgroups(tile_m: int, tile_n: int, chunked: bool = False) -> int:
+    return 2 if _two_warpgroups(tile_m, tile_n, chunked) else 1
 
 
 def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
     """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
     buffer (its own region of the same size for every output dtype)."""
     bm, bn, bk = tile
-    er, ec = epilogue_tile(bm, bn)
+    er, ec = epilogue_tile(bm, bn, bk == SPLIT_TILE_K)
     return (stages * (mma_rows(bm) + bn) * bk * IN_BYTES + BARRIER_BYTES
             + EPI_BYTES_PER_ROWCOL * er * ec)
 
@@ -68,10 +75,17 @@ def max_stages(tile: tuple[int, int, int]) -> int:
     return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
-def check_config(tile, cluster, stages, persistent) -> list[tuple[str, str]]:
+def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
+    split = "fp32" in dtypes
+    if split and len(dtypes) > 1:
+        return [("dtypes", f"fp32 buckets run the split (chunked) kernel with its own tile "
+                           f"rules: list fp32 alone, got {list(dtypes)}")]
+    tile_n = tuple(n for n in TILE_N if n <= SPLIT_TILE_N_MAX) if split else TILE_N
+    tile_k = (SPLIT_TILE_K,) if split else TILE_K
+    tile_m = tuple(m for m in TILE_M if m >= 64) if split else TILE_M
     problems = limits_common.tile_and_stage_problems(
-        tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
+        tile, stages, (tile_m, tile_n, tile_k), STAGES, smem_bytes, SMEM_BYTES)
     if not problems and tile[0] == 8 and tile[1] % 32:
         # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
         # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0

@@ -1,0 +1,251 @@
+"""The fp32 tier vs cuBLAS, in one run (needs an SM90 GPU):
+
+1. Speed: `dg.linear` on fp32 inputs (the split tier: split + one chunked bf16 GEMM) vs
+   cuBLAS SGEMM with TF32 off and cuBLAS with TF32 on (`F.linear`), CUDA-graph timed,
+   medians, fresh random inputs per set; over prefill/training shapes of public models.
+   `split_us` is the time of splitting both operands alone (part of detgemm's time).
+2. Accuracy: relative error (Frobenius) vs an fp64 product on the same inputs, K 256..16384,
+   for detgemm fp32, SGEMM and TF32.
+3. `--candidates`: every candidate fp32 tile (`CANDIDATES`) forced onto a subset of shapes,
+   to choose the fp32 buckets.
+
+    python bench/bench_fp32.py --out bench/results [--quick] [--candidates]
+
+Writes markdown + JSON (+ a plot when matplotlib is installed), device named.
+"""
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import detgemm_cute as dg
+from detgemm_cute import registry, split
+from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.fmt import device_slug, json_default
+from detgemm_cute.benchlib.timing import QUICK_PLAN, n_sets_for, time_units
+
+F32 = torch.float32
+# (K, N) of public models' linear layers (hidden -> qkv / mlp and back), some TP shards.
+MODEL_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144), (5120, 5120),
+            (3584, 18944), (8192, 1280), (2048, 8192), (768, 3072), (3072, 768), (1024, 1024),
+            (4096, 11008 // 2), (5120, 13824 // 4), (8192, 7168 // 8)]
+M_LIST = [128, 512, 777, 1000, 2048, 4096, 8192]
+ACC_K = [256, 1024, 4096, 16384]
+# (tile, stages, persistent, cluster)
+CANDIDATES = [((128, 128, 96), 4, True, (1, 1)), ((128, 128, 96), 4, False, (1, 1)),
+              ((128, 128, 96), 4, True, (2, 1)), ((128, 64, 96), 5, True, (1, 1)),
+              ((64, 128, 96), 5, True, (1, 1)), ((64, 128, 96), 5, False, (1, 1)),
+              ((128, 96, 96), 4, True, (1, 1)), ((64, 64, 96), 8, False, (1, 1))]
+
+
+def shapes(quick):
+    rows = [(m, k, n) for (k, n) in MODEL_KN for m in M_LIST]
+    return rows[::5] if quick else rows
+
+
+def sgemm(x, w, tf32):
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def split_both(x, w):
+    """What the fp32 tier does before its GEMM: row scales and the fp16 parts of both."""
+    return (split.operand(x, split.row_scales(x), "a"),
+            split.operand(w, split.row_scales(w), "b"))
+
+
+def make_sets(m, k, n, l2):
+    nbytes = 4 * (m * k + n * k + m * n)
+    return [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
+            for _ in range(n_sets_for(nbytes, l2, QUICK_PLAN))]
+
+
+def run_speed(rows, cap_stream, log):
+    out = []
+    l2 = gpu.l2_bytes()
+    for m, k, n in rows:
+        sets = make_sets(m, k, n, l2)
+        units = {"detgemm_fp32": lambda s: dg.linear(*s),
+                 "cublas_sgemm": lambda s: sgemm(*s, False),
+                 "cublas_tf32": lambda s: sgemm(*s, True),
+                 "split_only": lambda s: split_both(*s)}
+        t = time_units(units, sets, QUICK_PLAN, cap_stream)
+        us = {name: r.get("us") for name, r in t.items()}
+        row = {"M": m, "K": k, "N": n, **{f"{kk}_us": v for kk, v in us.items()}}
+        flops = 2.0 * m * n * k
+        if us["detgemm_fp32"]:
+            row["detgemm_tflops"] = flops / us["detgemm_fp32"] / 1e6
+            for peer in ("cublas_sgemm", "cublas_tf32"):
+                if us[peer]:
+                    row[f"vs_{peer}"] = us[peer] / us["detgemm_fp32"]
+        log(f"{m}x{k}x{n}: detgemm {us['detgemm_fp32']} us, sgemm {us['cublas_sgemm']} us, "
+            f"tf32 {us['cublas_tf32']} us, split {us['split_only']} us -> "
+            f"{row.get('vs_cublas_sgemm', 0):.2f}x sgemm")
+        out.append(row)
+        del sets
+    return out
+
+
+def run_accuracy(log):
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k in ACC_K:
+        x = torch.randn(512, k, device="cuda", generator=g)
+        w = torch.randn(512, k, device="cuda", generator=g)
+        ref = x.double() @ w.double().t()
+        errs = {}
+        for name, y in (("detgemm_fp32", dg.linear(x, w)), ("cublas_sgemm", sgemm(x, w, False)),
+                        ("cublas_tf32", sgemm(x, w, True))):
+            errs[name] = ((y.double() - ref).norm() / ref.norm()).item()
+        log(f"accuracy K={k}: " + ", ".join(f"{a} {b:.2e}" for a, b in errs.items()))
+        out.append({"K": k, **errs})
+    return out
+
+
+def candidate_layer(path):
+    """A user layer with every candidate as its own bucket (M ranges nobody calls with)."""
+    lines = ["arch: sm90", "buckets:"]
+    for i, (tile, stages, pers, cl) in enumerate(CANDIDATES):
+        lo = 10**9 + i
+        lines += [f"  - name: {cand_name(i)}", "    op: fwd", "    dtypes: [fp32]",
+                  f"    m: [{lo}, {lo}]", f"    tile: {list(tile)}", f"    stages: {stages}",
+                  f"    persistent: {str(pers).lower()}", f"    cluster: {list(cl)}"]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def cand_name(i):
+    tile, stages, pers, cl = CANDIDATES[i]
+    return (f"cand_{tile[0]}x{tile[1]}_s{stages}_{'p' if pers else 'np'}"
+            f"{'_c' + str(cl[0]) + str(cl[1]) if cl != (1, 1) else ''}")
+
+
+def run_candidates(rows, cap_stream, log):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "cands.yaml"
+        candidate_layer(path)
+        registry.add_config(path)
+        out = []
+        l2 = gpu.l2_bytes()
+        for m, k, n in rows:
+            sets = make_sets(m, k, n, l2)
+            units = {}
+            for i in range(len(CANDIDATES)):
+                name = cand_name(i)
+
+                def fn(s, name=name):
+                    with dg.force_bucket(name):
+                        return dg.linear(*s)
+                units[name] = fn
+            units["cublas_sgemm"] = lambda s: sgemm(*s, False)
+            t = time_units(units, sets, QUICK_PLAN, cap_stream)
+            us = {name: r.get("us") for name, r in t.items()}
+            ok = {name: v for name, v in us.items() if v and name.startswith("cand")}
+            best = min(ok, key=ok.get) if ok else None
+            log(f"candidates {m}x{k}x{n}: best {best} {ok.get(best)} us; "
+                + ", ".join(f"{a}={b and round(b, 1)}" for a, b in us.items()))
+            out.append({"M": m, "K": k, "N": n, "us": us, "best": best,
+                        "errors": {a: r["error"] for a, r in t.items() if "error" in r}})
+            del sets
+        registry.reset_user_configs()
+    return out
+
+
+def geomean(vals):
+    vals = [v for v in vals if v]
+    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
+
+
+def write_report(out_dir, meta, speed, acc, cands):
+    slug = device_slug(meta["device"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"fp32_{slug}"
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"device": meta, "speed": speed, "accuracy": acc, "candidates": cands},
+        indent=1, default=json_default))
+    g_s = geomean([r.get("vs_cublas_sgemm") for r in speed])
+    g_t = geomean([r.get("vs_cublas_tf32") for r in speed])
+    big = [r for r in speed if r["M"] >= 512]
+    lines = [f"# fp32 tier vs cuBLAS ({meta['device']})", "",
+             f"torch {torch.__version__}; one run; CUDA-graph medians; times in us.", "",
+             f"Geomean speed vs SGEMM (TF32 off): {g_s:.2f}x over {len(speed)} shapes; "
+             f"M >= 512: {geomean([r.get('vs_cublas_sgemm') for r in big]):.2f}x. "
+             f"vs cuBLAS TF32: {g_t:.2f}x.", "",
+             "| M | K | N | detgemm fp32 | split alone | SGEMM | TF32 | TFLOP/s | vs SGEMM | vs TF32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, p="{:.1f}": "-" if v is None else p.format(v)  # noqa: E731
+    for r in speed:
+        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('detgemm_fp32_us'))} | "
+                     f"{f(r.get('split_only_us'))} | {f(r.get('cublas_sgemm_us'))} | "
+                     f"{f(r.get('cublas_tf32_us'))} | {f(r.get('detgemm_tflops'))} | "
+                     f"{f(r.get('vs_cublas_sgemm'), '{:.2f}')} | "
+                     f"{f(r.get('vs_cublas_tf32'), '{:.2f}')} |")
+    lines += ["", "## Accuracy: relative error vs fp64 (512 x K x 512, randn)", "",
+              "| K | detgemm fp32 | SGEMM (TF32 off) | TF32 |", "|---|---|---|---|"]
+    for r in acc:
+        lines.append(f"| {r['K']} | {r['detgemm_fp32']:.2e} | {r['cublas_sgemm']:.2e} | "
+                     f"{r['cublas_tf32']:.2e} |")
+    if cands:
+        lines += ["", "## Candidate tiles (forced)", "",
+                  "| M | K | N | best | " + " | ".join(cand_name(i) for i in
+                                                       range(len(CANDIDATES))) + " |",
+                  "|---|---|---|---|" + "---|" * len(CANDIDATES)]
+        for r in cands:
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['best']} | " + " | ".join(
+                f(r["us"].get(cand_name(i))) for i in range(len(CANDIDATES))) + " |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.plot([r.get("vs_cublas_sgemm") for r in speed], "o", label="vs SGEMM (TF32 off)")
+        ax.plot([r.get("vs_cublas_tf32") for r in speed], "x", label="vs cuBLAS TF32")
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.set_xlabel("shape (table order)")
+        ax.set_ylabel("speed-up (>1: detgemm faster)")
+        ax.set_title(f"detgemm fp32 tier, {meta['device']}")
+        ax.legend()
+        fig.savefig(stem.with_suffix(".png"), dpi=100, bbox_inches="tight")
+    except ImportError:
+        pass
+    return stem
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--candidates", action="store_true")
+    ap.add_argument("--no-speed", action="store_true")
+    args = ap.parse_args()
+    err, _ = gpu.gpu_check()
+    if err:
+        sys.exit(f"bench_fp32: {err}")
+    log = gpu.log
+    cap = torch.cuda.Stream()
+    meta = gpu.device_meta()
+    acc = run_accuracy(log)
+    rows = shapes(args.quick)
+    cands = run_candidates(shapes(False)[::6], cap, log) if args.candidates else []
+    speed = [] if args.no_speed else run_speed(rows, cap, log)
+    stem = write_report(Path(args.out), meta, speed, acc, cands)
+    log(f"wrote {stem}.md/.json")
+    if speed:
+        log(f"geomean vs SGEMM {geomean([r.get('vs_cublas_sgemm') for r in speed]):.3f}, "
+            f"vs TF32 {geomean([r.get('vs_cublas_tf32') for r in speed]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
