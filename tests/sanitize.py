@@ -26,7 +26,7 @@ import detgemm_cute as dg
 from detgemm_cute import gemm as _gemm
 from detgemm_cute import registry
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def edge_shapes(op, tile, quick: bool):

@@ -59,12 +59,20 @@ def test_other_16_bit_inputs_are_cast_to_the_autocast_dtype():
     assert same(y, reference.linear(x.to(FP), w.to(FP)))
 
 
-def test_outside_autocast_fp32_is_still_refused():
+def test_outside_autocast_fp32_runs_the_fp32_tier():
+    """Inside autocast fp32 inputs are cast (bf16 bits); outside they run the fp32 tier:
+    an fp32 result with the reference's bits and fp32 accuracy. fp64 is still refused."""
     x, w = torch.randn(5, 32), torch.randn(8, 32)
     with autocast(BF):
-        dg.linear(x, w)
-    with pytest.raises(TypeError, match=r"input must be torch\.bfloat16 or torch\.float16"):
-        dg.linear(x, w)
+        yc = dg.linear(x, w)
+    assert same(yc, reference.linear(x.to(BF), w.to(BF)))
+    y = dg.linear(x, w)
+    assert same(y, reference.linear(x, w))
+    exact = x.double() @ w.double().t()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-6
+    with pytest.raises(TypeError, match=r"input must be torch\.bfloat16, torch\.float16 or "
+                                        r"torch\.float32, got torch\.float64"):
+        dg.linear(x.double(), w.double())
 
 
 @pytest.mark.parametrize("dtype", AMP)

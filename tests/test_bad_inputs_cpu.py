@@ -75,29 +75,35 @@ def E(call, exc, regex, id, marks=()):
 BAD = [
     # --- dtypes -------------------------------------------------------------------------
     *[E(lambda dt=dt: dg.mm(torch.ones(M, K, dtype=dt), rand(K, N)), TypeError,
-        rf"detgemm_cute\.mm: a must be torch\.bfloat16 or torch\.float16, got {dt}", f"mm-a-{dt}")
-      for dt in (F32, F64, torch.int32, torch.int64, torch.bool)],
+        rf"detgemm_cute\.mm: a must be torch\.bfloat16, torch\.float16 or torch\.float32, "
+        rf"got {dt}", f"mm-a-{dt}")
+      for dt in (F64, torch.int32, torch.int64, torch.bool)],
+    E(lambda: dg.mm(torch.ones(M, K, dtype=F32), rand(K, N)), TypeError,
+      r"b must have the same dtype as a \(torch\.float32\), got torch\.bfloat16", "mm-fp32-bf16"),
     E(lambda: dg.mm(rand(M, K), rand(K, N, dtype=FP)), TypeError,
       r"b must have the same dtype as a \(torch\.bfloat16\), got torch\.float16", "mm-mixed"),
     E(lambda: dg.addmm(rand(N), rand(M, K), rand(K, N, dtype=F32)), TypeError,
       r"detgemm_cute\.addmm: b must have the same dtype as a", "addmm-b-fp32"),
     E(lambda: dg.linear(rand(2, M, K, dtype=F64), rand(N, K, dtype=F64)), TypeError,
-      r"linear: input must be torch\.bfloat16 or torch\.float16, got torch\.float64",
-      "linear-fp64"),
+      r"linear: input must be torch\.bfloat16, torch\.float16 or torch\.float32, got "
+      r"torch\.float64", "linear-fp64"),
     E(lambda: dg.linear(rand(M, K, dtype=FP), rand(N, K)), TypeError,
       r"weight must have the same dtype as input \(torch\.float16\), got torch\.bfloat16",
       "linear-mixed"),
-    E(lambda: dg.input_grad(rand(M, N, dtype=F32), rand(N, K, dtype=F32)), TypeError,
-      r"input_grad: grad_output must be torch\.bfloat16 or torch\.float16", "input_grad-fp32"),
+    E(lambda: dg.input_grad(rand(M, N, dtype=F64), rand(N, K, dtype=F64)), TypeError,
+      r"input_grad: grad_output must be torch\.bfloat16, torch\.float16 or torch\.float32",
+      "input_grad-fp64"),
     E(lambda: dg.input_grad(rand(M, N), ints(N, K, dtype=torch.bool)), TypeError,
       r"weight must have the same dtype as grad_output", "input_grad-bool-weight"),
     E(lambda: dg.weight_grad(rand(M, N), ints(M, K, dtype=torch.int8)), TypeError,
-      r"weight_grad: input must be torch\.bfloat16 or torch\.float16, got torch\.int8",
+      r"weight_grad: input must be torch\.bfloat16, torch\.float16 or torch\.float32, got "
+      r"torch\.int8",
       "weight_grad-int8"),
     E(lambda: dg.weight_grad(rand(M, N, dtype=FP), rand(M, K)), TypeError,
       r"input must have the same dtype as grad_output \(torch\.float16\)", "weight_grad-mixed"),
     E(lambda: dg.bias_grad(ints(M, N, dtype=torch.bool)), TypeError,
-      r"bias_grad: grad_output must be torch\.bfloat16 or torch\.float16, got torch\.bool",
+      r"bias_grad: grad_output must be torch\.bfloat16, torch\.float16 or torch\.float32, "
+      r"got torch\.bool",
       "bias_grad-bool"),
     E(lambda: dg.bias_grad(rand(M, N, dtype=F64)), TypeError, r"grad_output must be torch\.bf",
       "bias_grad-fp64"),
@@ -279,8 +285,8 @@ BAD = [
                          (lambda: dg.bias_grad(rand(M, N), acc=torch.zeros(1).expand(N)),
                           "bias_grad-acc-expanded"))],
     # --- the custom ops called directly, and the autograd path through them -------------
-    E(lambda: OPS.mm(rand(M, K, dtype=F32), rand(K, N, dtype=F32)), TypeError,
-      r"detgemm::mm: a must be torch\.bfloat16", "op-mm-fp32"),
+    E(lambda: OPS.mm(rand(M, K, dtype=F64), rand(K, N, dtype=F64)), TypeError,
+      r"detgemm::mm: a must be torch\.bfloat16", "op-mm-fp64"),
     E(lambda: OPS.addmm(rand(M), rand(M, K), rand(K, N)), ValueError,
       r"detgemm::addmm: bias must be 1-D of length N=3", "op-addmm-bias"),
     E(lambda: OPS.linear(rand(M, K), rand(N, K + 1)), ValueError, r"detgemm::linear: K mismatch",
@@ -303,8 +309,8 @@ BAD = [
       RuntimeError, r"acc requires grad", "op-weight_grad_acc_-rg"),
     E(lambda: OPS.bias_grad_acc_(torch.zeros(N, requires_grad=True), rand(M, N)),
       RuntimeError, r"acc requires grad", "op-bias_grad_acc_-rg"),
-    E(lambda: dg.linear(rand(2, M, K, dtype=F32, grad=True), rand(N, K, dtype=F32)), TypeError,
-      r"detgemm::linear: input must be torch\.bfloat16", "autograd-linear-fp32"),
+    E(lambda: dg.linear(rand(2, M, K, dtype=F64, grad=True), rand(N, K, dtype=F64)), TypeError,
+      r"detgemm::linear: input must be torch\.bfloat16", "autograd-linear-fp64"),
     E(lambda: dg.mm(rand(M, K, grad=True), rand(K + 1, N)), ValueError,
       r"detgemm::mm: K mismatch", "autograd-mm-K"),
     E(lambda: dg.addmm(rand(M, grad=True), rand(M, K), rand(K, N)), ValueError,
@@ -331,8 +337,8 @@ def test_token_count_beyond_int32_is_refused(monkeypatch, call):
 
 
 FAKE = [
-    E(lambda: OPS.mm(rand(M, K, dtype=F32), rand(K, N, dtype=F32)), TypeError, r"a must be",
-      "mm-fp32"),
+    E(lambda: OPS.mm(rand(M, K, dtype=F64), rand(K, N, dtype=F64)), TypeError, r"a must be",
+      "mm-fp64"),
     E(lambda: OPS.linear(rand(M, K), rand(N, K + 1)), ValueError, r"K mismatch", "linear-K"),
     E(lambda: OPS.addmm(rand(N, dtype=FP), rand(M, K), rand(K, N)), TypeError, r"bias must have",
       "addmm-bias"),
@@ -344,8 +350,8 @@ FAKE = [
       "dx-0d"),
     E(lambda: OPS.weight_grad(rand(M, N), rand(M, K), torch.int8), TypeError, r"out_dtype",
       "dw-out-int8"),
-    E(lambda: OPS.bias_grad(rand(M, N, dtype=F32)), TypeError, r"grad_output must be",
-      "db-fp32"),
+    E(lambda: OPS.bias_grad(rand(M, N, dtype=F64)), TypeError, r"grad_output must be",
+      "db-fp64"),
     E(lambda: OPS.bias_grad(rand(M, 0)), ValueError, r"last dim >= 1", "db-N0"),
     E(lambda: OPS.weight_grad_acc_(torch.zeros(N, K, dtype=FP), rand(M, N), rand(M, K)),
       TypeError, r"acc must be torch\.float32", "dw-acc-fp16"),
@@ -363,8 +369,8 @@ def test_fake_impls_raise_the_eager_errors(call, exc, regex):
 
 
 @pytest.mark.parametrize("fn, args, exc, regex", [
-    pytest.param(lambda a, b: dg.mm(a, b), (rand(M, K, dtype=F32), rand(K, N, dtype=F32)),
-                 TypeError, r"detgemm::mm: a must be torch\.bfloat16", id="mm-fp32"),
+    pytest.param(lambda a, b: dg.mm(a, b), (rand(M, K, dtype=F64), rand(K, N, dtype=F64)),
+                 TypeError, r"detgemm::mm: a must be torch\.bfloat16", id="mm-fp64"),
     pytest.param(lambda x, w, b: dg.linear(x, w, b), (rand(2, M, K), rand(N, K + 1), rand(N)),
                  ValueError, r"detgemm::linear: K mismatch", id="linear-K"),
     pytest.param(lambda b, x, w: dg.addmm(b, x, w), (rand(M), rand(M, K), rand(K, N)),
@@ -569,10 +575,10 @@ def _fake_t(*shape, dtype=BF, device="cuda"):
 
 AMP_MODE_BAD = [
     E(_amp(lambda: dg.linear(rand(M, K, dtype=F64), rand(N, K, dtype=F64))), TypeError,
-      r"detgemm::linear: input must be torch\.bfloat16 or torch\.float16, got torch\.float64",
-      "amp-fp64-not-cast"),
+      r"detgemm::linear: input must be torch\.bfloat16, torch\.float16 or torch\.float32, got "
+      r"torch\.float64", "amp-fp64-not-cast"),
     E(_amp(lambda: dg.mm(ints(M, K), ints(K, N))), TypeError,
-      r"detgemm::mm: a must be torch\.bfloat16 .* got torch\.int32", "amp-int"),
+      r"detgemm::mm: a must be torch\.bfloat16.* got torch\.int32", "amp-int"),
     E(_amp(lambda: dg.linear(rand(M, K, dtype=F32), rand(N, K, dtype=F64))), TypeError,
       r"weight must have the same dtype as input \(torch\.bfloat16\), got torch\.float64",
       "amp-fp32-fp64"),
@@ -582,9 +588,9 @@ AMP_MODE_BAD = [
       ValueError, r"detgemm::addmm: bias must be 1-D of length N=3", "amp-addmm-bias"),
     E(_amp(lambda: dg.mm(rand(M, K, dtype=F32), rand(K, N, dtype=F32), out_dtype=torch.int8)),
       TypeError, r"out_dtype must be one of", "amp-out-int8"),
-    E(_amp(lambda: dg.weight_grad(rand(M, N, dtype=F32), rand(M, K, dtype=F32))), TypeError,
+    E(_amp(lambda: dg.weight_grad(rand(M, N, dtype=F64), rand(M, K, dtype=F64))), TypeError,
       r"detgemm_cute\.weight_grad: grad_output must be torch\.bfloat16", "amp-grads-not-cast"),
-    E(_amp(lambda: dg.input_grad(rand(M, N, dtype=F32), rand(N, K, dtype=F32))), TypeError,
+    E(_amp(lambda: dg.input_grad(rand(M, N, dtype=F64), rand(N, K, dtype=F64))), TypeError,
       r"input_grad: grad_output must be torch\.bfloat16", "amp-input_grad-not-cast"),
     E(_amp_fp32_dtype(lambda: dg.linear(rand(M, K, dtype=F32), rand(N, K, dtype=F32))),
       TypeError, r"detgemm::linear: the cpu autocast dtype is torch\.float32; detgemm computes "
@@ -593,11 +599,11 @@ AMP_MODE_BAD = [
       TypeError, r"detgemm_cute\.nn\.Linear: the cpu autocast dtype is torch\.float32",
       "amp-dtype-fp32-module"),
     E(_amp(lambda: dg.nn.Linear(K, N, fp32_grad_accum=True)(rand(M, K, dtype=F64))), TypeError,
-      r"input must be torch\.bfloat16 or torch\.float16, got torch\.float64",
+      r"input must be torch\.bfloat16, torch\.float16 or torch\.float32, got torch\.float64",
       "amp-module-main-grad-fp64"),
-    E(lambda: dg.nn.Linear(K, N)(rand(M, K, dtype=F32)), TypeError,
-      r"detgemm::linear: input must be torch\.bfloat16 .* got torch\.float32",
-      "module-fp32-without-autocast"),
+    E(lambda: dg.nn.Linear(K, N, dtype=F64)(rand(M, K, dtype=F64)), TypeError,
+      r"detgemm::linear: input must be torch\.bfloat16.* got torch\.float64",
+      "module-fp64-without-autocast"),
     # meta and fake tensors: alone they are fine (test_meta_fake_cpu.py); mixed or malformed
     E(lambda: dg.linear(meta(M, K), rand(N, K)), ValueError,
       r"weight is on cpu but input is on meta", "meta-x-cpu-w"),
@@ -608,8 +614,8 @@ AMP_MODE_BAD = [
       ValueError, r"weight_grad: an fp32 accumulation buffer takes fp32 results", "meta-acc-out"),
     E(lambda: dg.bias_grad(meta(M, N), acc=meta(N + 1, dtype=F32)), ValueError,
       r"acc must have shape \[3\]", "meta-bias_grad-acc"),
-    E(lambda: dg.input_grad(meta(M, N, dtype=F32), meta(N, K, dtype=F32)), TypeError,
-      r"grad_output must be torch\.bfloat16", "meta-input_grad-fp32"),
+    E(lambda: dg.input_grad(meta(M, N, dtype=F64), meta(N, K, dtype=F64)), TypeError,
+      r"grad_output must be torch\.bfloat16", "meta-input_grad-fp64"),
     E(_fake(lambda: dg.linear(_fake_t(M, K), _fake_t(N, K, dtype=FP))), TypeError,
       r"weight must have the same dtype as input", "fake-mixed-dtype"),
     E(_fake(lambda: dg.mm(_fake_t(2, M, K), _fake_t(K, N))), ValueError, r"a must be 2-D",
@@ -627,6 +633,19 @@ AMP_MODE_BAD = [
 def test_autocast_meta_and_fake_bad_input_is_refused(call, exc, regex):
     with pytest.raises(exc, match=regex):
         call()
+
+
+def test_fp32_grads_and_modules_run_the_fp32_tier_uncast():
+    """Autocast casts the forward ops only: fp32 gradients inside a region, like an fp32
+    module outside one, run the fp32 tier and give fp32 results with the reference's bits."""
+    dy, x, w = rand(M, N, dtype=F32), rand(M, K, dtype=F32), rand(N, K, dtype=F32)
+    gw, gx, gb = _amp(lambda: (dg.weight_grad(dy, x), dg.input_grad(dy, w), dg.bias_grad(dy)))()
+    same(gw, REF["weight_grad"](dy, x))
+    same(gx, REF["input_grad"](dy, w))
+    same(gb, REF["bias_grad"](dy))
+    lin = dg.nn.Linear(K, N)
+    assert lin.weight.dtype == F32
+    same(lin(x), REF["linear"](x, lin.weight.detach(), lin.bias.detach()))
 
 
 def test_mode_cannot_nest_a_different_device_set():

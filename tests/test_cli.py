@@ -102,7 +102,7 @@ def test_explain_backward_ops(capsys, op, dims, bucket):
 
 def test_usage_errors_return_2(capsys):
     assert cli.main([]) == 2
-    assert cli.main(["explain", "--dtype", "fp32", "1", "2", "3"]) == 2
+    assert cli.main(["explain", "--dtype", "fp64", "1", "2", "3"]) == 2
     assert cli.main(["--help"]) == 0
 
 

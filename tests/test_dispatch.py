@@ -36,11 +36,12 @@ def _ends(rng):
     return [lo, hi if hi is not None else BIG]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", R.DTYPES)
 def test_every_builtin_boundary(dtype):
     """Every corner of every bucket's (M, N, K) box maps to it; one step outside maps to
     the one bucket that contains that point."""
-    every = R.load_builtin("sm90").buckets
+    every = [b for b in R.load_builtin("sm90").buckets if dtype in b.dtypes]
+    assert every
     for b in every:
         buckets = [c for c in every if c.op == b.op]
         for m in _ends(b.m):
@@ -154,7 +155,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown op"):
         D.lookup("bwd", "bf16", "sm90", 1, 8, 8)
     with pytest.raises(ValueError, match="unknown dtype"):
-        D.lookup("fwd", "fp32", "sm90", 1, 8, 8)
+        D.lookup("fwd", "fp64", "sm90", 1, 8, 8)
+    with pytest.raises(R.NoBucketError, match="no sm90 bucket serves op bmm dtype fp32"):
+        D.lookup("bmm", "fp32", "sm90", 1, 8, 8)  # the fp32 tier has fwd/dx/dw only
+    with pytest.raises(R.NoBucketError, match="no sm80 bucket serves op fwd dtype fp32"):
+        D.lookup("fwd", "fp32", "sm80", 1, 8, 8)  # and SM90 kernels only
     with pytest.raises(R.NoBucketError, match="named 'nope'"):
         D.bucket_by_name("sm90", "nope")
     with pytest.raises(ValueError, match="unknown arch 'sm70'"):
@@ -165,9 +170,10 @@ def test_bad_arguments():
 def test_dtype_name():
     assert D.dtype_name(torch.bfloat16) == "bf16"
     assert D.dtype_name(torch.half) == "fp16"
+    assert D.dtype_name(torch.float32) == "fp32"
     assert D.dtype_name("fp16") == "fp16"
-    with pytest.raises(TypeError, match="torch.bfloat16.*torch.float16"):
-        D.dtype_name(torch.float32)
+    with pytest.raises(TypeError, match="torch.bfloat16.*torch.float16.*torch.float32"):
+        D.dtype_name(torch.float64)
     with pytest.raises(TypeError, match="unsupported dtype"):
         D.dtype_name("fp8")
 
@@ -224,9 +230,11 @@ def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
 @pytest.mark.parametrize("arch", ["sm90", "sm80"])
 def test_gpu_invariance_sweep_reaches_every_builtin_fwd_bucket(arch):
     """The GPU suite's batch-invariance sweep (tests/gpu_helpers.py) must pass through every
-    forward bucket of each table; checked here so a table change cannot silently skip one."""
+    16-bit forward bucket of each table; checked here so a table change cannot silently skip
+    one. (fp32 buckets are exercised by tests/test_gpu_fp32.py.)"""
     from gpu_helpers import SWEEP_M, SWEEP_NK
 
     seen = {D.lookup("fwd", "bf16", arch, m, n, k).name
             for m in SWEEP_M + [8192] for n, k in SWEEP_NK}
-    assert seen == {b.name for b in R.load_builtin(arch).buckets if b.op == "fwd"}
+    assert seen == {b.name for b in R.load_builtin(arch).buckets
+                    if b.op == "fwd" and set(b.dtypes) & set(R.REQUIRED_DTYPES)}

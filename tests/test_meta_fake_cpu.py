@@ -121,8 +121,9 @@ def test_module_under_fake_mode_with_fp32_parameters_and_autocast():
 def test_bad_arguments_on_meta_and_fake_name_them():
     with pytest.raises(ValueError, match=r"K mismatch: input has K=32 .* weight has K=33"):
         dg.linear(t(4, 32), t(8, 33))
-    with pytest.raises(TypeError, match=r"input must be torch\.bfloat16 or torch\.float16"):
-        dg.linear(t(4, 32, dtype=F32), t(8, 32, dtype=F32))
+    with pytest.raises(TypeError, match=r"input must be torch\.bfloat16, torch\.float16 or "
+                                        r"torch\.float32, got torch\.float64"):
+        dg.linear(t(4, 32, dtype=torch.float64), t(8, 32, dtype=torch.float64))
     with FakeTensorMode():
         with pytest.raises(ValueError, match=r"bias must be 1-D of length N=8"):
             dg.linear(torch.empty(4, 32, dtype=BF, device="cuda"),

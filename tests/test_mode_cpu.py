@@ -100,17 +100,25 @@ def test_autograd_reaches_the_replaced_kernels():
 
 
 def test_fallback_warns_once_and_counts():
-    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    a, b = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    a3, b3 = torch.randn(2, 4, 8), torch.randn(2, 8, 3)
     with dg.batch_invariant_mode(_dispatch_keys=CPU):
-        with pytest.warns(UserWarning, match="aten::mm with torch.float32 inputs"):
+        with pytest.warns(UserWarning, match="aten::mm with torch.float64 inputs"):
             first = torch.mm(a, b)
+        with pytest.warns(UserWarning, match="aten::bmm with torch.float32 inputs"):
+            torch.bmm(a3, b3)  # fp32 bmm is not on the fp32 tier
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             torch.mm(a, b)  # no second warning
+            y32 = torch.mm(a3[0], b3[0])  # fp32 mm is routed: no warning
     assert torch.equal(first, a @ b)
+    assert same(y32, reference.mm(a3[0], b3[0]))
     r = dg.report()
-    assert r.fell_back[("mm", "float32", "torch.float32 inputs (detgemm takes "
-                        "bfloat16/float16)")] == 2
+    assert r.fell_back[("mm", "float64", "torch.float64 inputs (detgemm takes "
+                        "bfloat16/float16/float32 here)")] == 2
+    assert r.fell_back[("bmm", "float32", "torch.float32 inputs (detgemm takes "
+                        "bfloat16/float16 here)")] == 1
+    assert r.routed[("mm", "fp32")] == 1
     dg.reset_report()
     assert dg.report().total_fell_back == 0
 
@@ -124,7 +132,7 @@ def test_strict_raises_naming_op_and_shapes():
 
 
 def test_nesting_restores_the_previous_state_also_on_exceptions():
-    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    a, b = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     with dg.batch_invariant_mode(strict=True, _dispatch_keys=CPU):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

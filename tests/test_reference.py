@@ -448,7 +448,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(TypeError, match="weight"):
         R.linear(x, w.half())
     with pytest.raises(TypeError, match="input"):
-        R.linear(x.float(), w.float())
+        R.linear(x.double(), w.double())
     with pytest.raises(ValueError, match="K mismatch"):
         R.linear(x, torch.ones(3, 5, dtype=BF16))
     with pytest.raises(ValueError, match="bias"):

@@ -44,7 +44,8 @@ def test_builtin_table_loads_and_is_complete():
 def test_builtin_buckets_pass_kernel_limits_and_carry_lines():
     text = (R.BUILTIN_DIR / "sm90.yaml").read_text().splitlines()
     for b in R.load_builtin("sm90").buckets:
-        assert sm90_limits.check_config(b.tile, b.cluster, b.stages, b.persistent) == []
+        assert sm90_limits.check_config(b.tile, b.cluster, b.stages, b.persistent,
+                                        dtypes=b.dtypes) == []
         assert text[b.line - 1].strip() == f"- name: {b.name}"
         assert b.layer == 0 and b.source.name == "sm90.yaml"
 
@@ -54,11 +55,14 @@ def test_get_registry_is_cached_and_ordered():
     assert R.get_registry("sm90") is r
     assert r.ops == ("fwd", "dx", "dw", "bmm")
     assert r.buckets == R.load_builtin("sm90").buckets
-    assert [b.name for b in r.table("fwd", "bf16")] == [b.name for b in r.buckets if b.op == "fwd"]
+    for dtype in R.DTYPES:
+        assert [b.name for b in r.table("fwd", dtype)] == \
+            [b.name for b in r.buckets if b.op == "fwd" and dtype in b.dtypes]
+    assert r.table("fwd", "fp32") and r.table("bmm", "fp32") == ()
     with pytest.raises(ValueError, match="unknown op"):
         r.table("bwd", "bf16")
     with pytest.raises(ValueError, match="unknown dtype"):
-        r.table("fwd", "fp32")
+        r.table("fwd", "fp64")
 
 
 def test_sm80_and_unknown_arches():
@@ -114,7 +118,7 @@ def test_every_problem_of_a_file_is_reported_together(tmp_path):
     p = _write(tmp_path, "arch: sm90\nextra: 1\nbuckets:\n"
                + _bucket("a", extra="    colour: red\n")
                + _bucket("b", m="[0, 8]")
-               + "  - name: c\n    op: bwd\n    dtypes: [fp32]\n    m: [1, 2]\n"
+               + "  - name: c\n    op: bwd\n    dtypes: [fp64]\n    m: [1, 2]\n"
                  "    tile: [64, 64]\n    stages: true\n")
     with pytest.raises(R.ConfigError) as info:
         R.load_config(p)
@@ -124,7 +128,7 @@ def test_every_problem_of_a_file_is_reported_together(tmp_path):
                 "bucket 'a': field 'colour': unknown key",
                 "bucket 'b': field 'm': lower bound must be >= 1",
                 "bucket 'c': field 'op': unknown op 'bwd'",
-                "bucket 'c': field 'dtypes': unknown dtype 'fp32'",
+                "bucket 'c': field 'dtypes': unknown dtype 'fp64'",
                 "bucket 'c': field 'tile': tile [BM, BN, BK] must be a list of 3 integers",
                 "bucket 'c': field 'stages': stages must be an integer, got True (bool)"]
     for want in expected:

@@ -18,8 +18,9 @@ TILE_M = (8, 16, 32, 64, 128)
 # (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
 TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 TILE_K = (64, 128)
-# The fp32 tier (bf16 x 6 split, chunked chain): a k tile is one chunk of six 16-wide steps,
-# i.e. one 16-wide block of the original K; BK is fixed because it is part of the bits.
+# The fp32 tier (split.py: 16-bit parts, chunked chain): a k tile is one chunk of six 16-wide
+# steps (one 32-wide block of the original K in fwd/dX, one 16-wide block in dW); BK is
+# fixed because it is part of the bits.
 SPLIT_TILE_K = 96
 # Chunked tiles keep two accumulator fragments (the sum and the chunk) per thread: at most
 # 64 x 128 per consumer warpgroup, so BN <= 128 and BM 128 runs on two warpgroups.
