@@ -60,8 +60,8 @@ def sgemm(x, w, tf32):
 
 def split_both(x, w):
     """What the fp32 tier does before its GEMM: row scales and the fp16 parts of both."""
-    return (split.operand(x, split.row_scales(x), "a"),
-            split.operand(w, split.row_scales(w), "b"))
+    return (split.operand_cuda(x, split.row_scales(x), "a"),
+            split.operand_cuda(w, split.row_scales(w), "b"))
 
 
 def make_sets(m, k, n, l2):
@@ -94,6 +94,42 @@ def run_speed(rows, cap_stream, log):
         out.append(row)
         del sets
     return out
+
+
+DW_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336),
+             (8192, 1024, 1024), (2048, 3072, 768)]  # (tokens, N out, K in)
+
+
+def run_dw(cap_stream, log):
+    """dW = dY^T X over tokens: detgemm's fp32 weight_grad vs SGEMM / TF32 on dY.t() @ X."""
+    out = []
+    l2 = gpu.l2_bytes()
+    for t, n, k in DW_SHAPES:
+        nbytes = 4 * (t * n + t * k + n * k)
+        sets = [(torch.randn(t, n, device="cuda"), torch.randn(t, k, device="cuda"))
+                for _ in range(n_sets_for(nbytes, l2, QUICK_PLAN))]
+        units = {"detgemm_fp32": lambda s: dg.weight_grad(*s),
+                 "cublas_sgemm": lambda s: mm_tf32(s[0].t(), s[1], False),
+                 "cublas_tf32": lambda s: mm_tf32(s[0].t(), s[1], True)}
+        res = time_units(units, sets, QUICK_PLAN, cap_stream)
+        us = {name: r.get("us") for name, r in res.items()}
+        row = {"T": t, "N": n, "K": k, **{f"{a}_us": b for a, b in us.items()}}
+        if us["detgemm_fp32"] and us["cublas_sgemm"]:
+            row["vs_cublas_sgemm"] = us["cublas_sgemm"] / us["detgemm_fp32"]
+        log(f"dW T={t} N={n} K={k}: detgemm {us['detgemm_fp32']} us, sgemm "
+            f"{us['cublas_sgemm']} us -> {row.get('vs_cublas_sgemm', 0):.2f}x")
+        out.append(row)
+        del sets
+    return out
+
+
+def mm_tf32(a, b, tf32):
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        return a @ b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def run_accuracy(log):
@@ -165,12 +201,12 @@ def geomean(vals):
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
 
 
-def write_report(out_dir, meta, speed, acc, cands):
+def write_report(out_dir, meta, speed, acc, cands, dw=()):
     slug = device_slug(meta["device"])
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"fp32_{slug}"
     stem.with_suffix(".json").write_text(json.dumps(
-        {"device": meta, "speed": speed, "accuracy": acc, "candidates": cands},
+        {"device": meta, "speed": speed, "accuracy": acc, "candidates": cands, "dw": dw},
         indent=1, default=json_default))
     g_s = geomean([r.get("vs_cublas_sgemm") for r in speed])
     g_t = geomean([r.get("vs_cublas_tf32") for r in speed])
@@ -194,6 +230,15 @@ def write_report(out_dir, meta, speed, acc, cands):
     for r in acc:
         lines.append(f"| {r['K']} | {r['detgemm_fp32']:.2e} | {r['cublas_sgemm']:.2e} | "
                      f"{r['cublas_tf32']:.2e} |")
+    if dw:
+        lines += ["", "## dW = dY^T X (exact bf16 parts), fp32 out", "",
+                  f"Geomean vs SGEMM: {geomean([r.get('vs_cublas_sgemm') for r in dw]):.2f}x.",
+                  "", "| tokens | N | K | detgemm fp32 | SGEMM | TF32 | vs SGEMM |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in dw:
+            lines.append(f"| {r['T']} | {r['N']} | {r['K']} | {f(r.get('detgemm_fp32_us'))} | "
+                         f"{f(r.get('cublas_sgemm_us'))} | {f(r.get('cublas_tf32_us'))} | "
+                         f"{f(r.get('vs_cublas_sgemm'), '{:.2f}')} |")
     if cands:
         lines += ["", "## Candidate tiles (forced)", "",
                   "| M | K | N | best | " + " | ".join(cand_name(i) for i in
@@ -240,7 +285,8 @@ def main():
     rows = shapes(args.quick)
     cands = run_candidates(shapes(False)[::6], cap, log) if args.candidates else []
     speed = [] if args.no_speed else run_speed(rows, cap, log)
-    stem = write_report(Path(args.out), meta, speed, acc, cands)
+    dw = [] if args.no_speed else run_dw(cap, log)
+    stem = write_report(Path(args.out), meta, speed, acc, cands, dw)
     log(f"wrote {stem}.md/.json")
     if speed:
         log(f"geomean vs SGEMM {geomean([r.get('vs_cublas_sgemm') for r in speed]):.3f}, "

@@ -260,14 +260,14 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`."""
     b_nk = b if b_form == "nk" else b.t()
     if op == "dw":
-        a2, b2 = split.exact_operand(a, "a"), split.exact_operand(b_nk, "b")
+        a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")
         y = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=acc,
                  split_in=split.EXACT_BLOCK_K)
         if acc is not None:
             return acc
     else:
         sa, sb = split.row_scales(a), split.row_scales(b_nk)
-        a2, b2 = split.operand(a, sa, "a"), split.operand(b_nk, sb, "b")
+        a2, b2 = split.operand_cuda(a, sa, "a"), split.operand_cuda(b_nk, sb, "b")
         c = None if acc is None else split.scale_acc(acc, sa, sb)
         c = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
         y = split.unscale(c, sa, sb)

@@ -32,6 +32,9 @@ input touches is NaN (IEEE would give Inf for an Inf that is not cancelled).
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 BLOCK_K = 32  # original K per chunk
@@ -42,15 +45,13 @@ TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [rows]: the power of two 2^(13 - floor(log2 max|row|)) per row (a row of zeros
-    gets 1; a row holding an Inf or NaN gets some scale: its outputs are NaN or Inf anyway).
-    Built from exponent bits, exact on every device."""
+    """fp32 [rows]: the power of two 2^(13 - floor(log2 max|row|)) per row, clamped to
+    [2^-126, 2^127] (a row of zeros or subnormals gets 2^127; a row holding an Inf or NaN
+    some scale: its outputs are NaN anyway). Built from exponent bits: exact everywhere."""
     if x.shape[-1] == 0:
         return torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)
     top = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # max |x|, one pass
-    exp = ((top.view(torch.int32) >> 23) & 0xFF).clamp(min=1)  # biased; subnormal -> emin
-    scale_exp = (TOP_EXP + 127 - (exp - 127)).clamp(1, 254)
-    scale_exp = torch.where(top == 0, torch.full_like(scale_exp, 127), scale_exp)
+    scale_exp = (TOP_EXP + 254 - (top.view(torch.int32) >> 23)).clamp_(1, 254)
     return (scale_exp << 23).view(torch.float32)
 
 
@@ -87,6 +88,77 @@ _NEG_LO = {"a": 0, "b": 1}
 _NEG_HI = {"a": 1, "b": 0}
 
 
+KERNEL_ENV = "DETGEMM_CUTE_SPLIT_KERNEL"
+_kernels: dict = {}
+_kernel_lock = threading.Lock()
+
+
+def operand_cuda(x: torch.Tensor, scale: torch.Tensor, side: str) -> torch.Tensor:
+    """`operand` on a CUDA tensor in one pass (`kernels.split_parts`, the same bits);
+    ``DETGEMM_CUTE_SPLIT_KERNEL=0`` runs the PyTorch version instead. A K that is not a
+    multiple of 32, or a K that is not the unit-stride dim, is copied first."""
+    if not _kernels_on():
+        return operand(x, scale, side)
+    x, rows, blocks = _blocked(x, BLOCK_K)
+    out = torch.empty((rows, blocks * CHUNK_K), dtype=PART_DTYPE, device=x.device)
+    if rows:
+        x4 = x.as_strided((rows, blocks, BLOCK_K // 4, 4),
+                          (x.stride(0) if rows > 1 else blocks * BLOCK_K, BLOCK_K, 4, 1))
+        _kernel("scaled", side)(x4, scale.contiguous(), out.view(rows, blocks, 3,
+                                                                 BLOCK_K // 4, 4))
+    return out
+
+
+def _kernels_on() -> bool:
+    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "off", "false")
+
+
+def _blocked(x, block):
+    """x with K padded to whole blocks and K the 16-byte-aligned unit-stride dim (a copy
+    only when it is not), its rows and blocks."""
+    rows, k = x.shape
+    blocks = -(-k // block)
+    if blocks * block != k:
+        x = torch.nn.functional.pad(x, (0, blocks * block - k))
+    elif x.stride(1) != 1 or (rows > 1 and x.stride(0) % 4) or x.data_ptr() % 16:
+        x = x.contiguous()
+    return x, rows, blocks
+
+
+def _kernel(scheme: str, side: str):
+    fn = _kernels.get((scheme, side))
+    if fn is None:
+        with _kernel_lock:
+            fn = _kernels.get((scheme, side))
+            if fn is None:
+                fn = _kernels[(scheme, side)] = _compile_kernel(scheme, side)
+    return fn
+
+
+def _compile_kernel(scheme: str, side: str):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .kernels.split_parts import SplitBf16Exact, SplitFp16Parts
+
+    block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
+    rows, blocks = cute.sym_int(), cute.sym_int()
+    x = make_fake_tensor(cutlass.Float32, (rows, blocks, block // 4, 4),
+                         stride=(cute.sym_int64(divisibility=4), block, 4, 1), assumed_align=16)
+    groups = STEPS if scheme == "exact" else 3
+    o_type = cutlass.BFloat16 if scheme == "exact" else cutlass.Float16
+    o = make_fake_tensor(o_type, (rows, blocks, groups, block // 4, 4),
+                         stride=(cute.sym_int64(divisibility=8), CHUNK_K, block, 4, 1),
+                         assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi --gpu-arch sm_90a"
+    if scheme == "exact":
+        return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
+    s = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
+    return cute.compile(SplitFp16Parts(side), x, s, o, stream, options=options)
+
+
 def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) fp16 of already-scaled fp32 values (|x| < 2^14): hi + lo ~ x."""
     hi = x.to(PART_DTYPE)
@@ -108,16 +180,30 @@ def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 EXACT_BLOCK_K = 16
 _EXACT_PARTS = {"a": (2, 0, 1, 1, 0, 0), "b": (0, 2, 1, 0, 1, 0)}
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 def exact_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hi, mid, lo) bf16 with hi + mid + lo == x (finite x; a finite value whose bf16
-    rounding would overflow takes hi = the largest finite bf16 of its sign)."""
-    hi = torch.where(torch.isfinite(x), x.clamp(-_BF16_MAX, _BF16_MAX), x).to(torch.bfloat16)
-    rest = x - hi.to(torch.float32)  # NaN for a non-finite x: its outputs are NaN
+    """(hi, mid, lo) bf16 with hi + mid + lo == x (finite x below bf16's largest value,
+    3.39e38; above it, and for Inf/NaN, the lower parts are Inf/NaN: those outputs are NaN)."""
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.to(torch.float32)
     mid = rest.to(torch.bfloat16)
     return hi, mid, (rest - mid.to(torch.float32)).to(torch.bfloat16)
+
+
+def exact_operand_cuda(x: torch.Tensor, side: str) -> torch.Tensor:
+    """`exact_operand` on a CUDA tensor in one pass (`kernels.split_parts`, the same bits);
+    ``DETGEMM_CUTE_SPLIT_KERNEL=0`` runs the PyTorch version instead."""
+    if not _kernels_on():
+        return exact_operand(x, side)
+    x, rows, blocks = _blocked(x, EXACT_BLOCK_K)
+    out = torch.empty((rows, blocks * CHUNK_K), dtype=torch.bfloat16, device=x.device)
+    if rows:
+        x4 = x.as_strided((rows, blocks, EXACT_BLOCK_K // 4, 4),
+                          (x.stride(0) if rows > 1 else blocks * EXACT_BLOCK_K,
+                           EXACT_BLOCK_K, 4, 1))
+        _kernel("exact", side)(x4, out.view(rows, blocks, STEPS, EXACT_BLOCK_K // 4, 4))
+    return out
 
 
 def exact_operand(x: torch.Tensor, side: str) -> torch.Tensor:
@@ -145,5 +231,5 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["row_scales", "parts", "operand", "exact_parts", "exact_operand", "EXACT_BLOCK_K", "split_k", "scale_acc", "unscale", "BLOCK_K",
+__all__ = ["row_scales", "parts", "operand", "operand_cuda", "exact_operand_cuda", "exact_parts", "exact_operand", "EXACT_BLOCK_K", "split_k", "scale_acc", "unscale", "BLOCK_K",
            "STEPS", "CHUNK_K", "PART_DTYPE"]

@@ -184,3 +184,19 @@ def test_error_not_above_sgemm(k):
 
     assert err(ours) <= err(sgemm), (err(ours), err(sgemm))
 
+
+
+@pytest.mark.parametrize("shape", [(300, 777), (64, 4096), (1, 32), (5, 3)])
+def test_one_pass_split_kernel_same_bits_as_pytorch(shape):
+    from detgemm_cute import split
+
+    x = rand(*shape, spread=True)
+    x[0, 0] = float("inf")
+    s = split.row_scales(x)
+    for side in ("a", "b"):
+        want = split.operand(x, s, side)
+        assert same_bits_nan(split.operand_cuda(x, s, side), want)
+        assert same_bits_nan(split.operand_cuda(x.t().contiguous().t(), s, side), want)
+        want = split.exact_operand(x, side)
+        assert same_bits_nan(split.exact_operand_cuda(x, side), want)
+        assert same_bits_nan(split.exact_operand_cuda(x.t().contiguous().t(), side), want)
