@@ -13,9 +13,10 @@ from .batched_ops import baddbmm, bmm, grouped_mm
 from .functional import addmm, bias_grad, input_grad, linear, mm, weight_grad
 from .gemm import force_bucket, use_family
 from .mode import batch_invariant_mode, disable, enable, report, reset_report
+from .split import fp32_precision
 
 __version__ = "0.1.0"
 
 __all__ = ["mm", "addmm", "linear", "bmm", "baddbmm", "grouped_mm", "input_grad", "weight_grad", "bias_grad", "nn",
            "batch_invariant_mode", "enable", "disable", "report", "reset_report",
-           "force_bucket", "use_family", "__version__"]
+           "force_bucket", "use_family", "fp32_precision", "__version__"]

@@ -257,9 +257,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
 def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     """The fp32 tier on the GPU (`split`). fwd/dX: scale and split both operands into fp16
     parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then bias and the one
-    rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`."""
+    rounding ("tf32" precision: fp16(x * s) alone, the 16-bit tier's GEMM). dW: exact bf16
+    parts, no scales, the chunked GEMM continuing `acc`."""
     b_nk = b if b_form == "nk" else b.t()
-    if op == "dw":
+    if op != "dw" and split.precision() == "tf32":  # fp16(x * s): TF32's 11 bits, one product
+        sa, sb = split.row_scales(a), split.row_scales(b_nk)
+        c = None if acc is None else split.scale_acc(acc, sa, sb)
+        c = gemm(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), "nk", None, torch.float32,
+                 op=op, acc=c)
+        y = split.unscale(c, sa, sb)
+        if acc is not None:
+            return acc.copy_(y)
+    elif op == "dw":
         a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")
         y = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=acc,
                  split_in=split.EXACT_BLOCK_K)
@@ -286,13 +295,14 @@ def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):
     from . import reference
 
     b_kn = b.t() if b_form == "nk" else b
-    if acc is not None:
-        acc.copy_(reference.chain(a, b_kn, acc, op=op))
-        return acc
-    if op == "dw" and a.dtype == torch.float32:
-        y = reference.chain(a, b_kn, op=op)
+    if a.dtype == torch.float32:
+        y = reference.chain(a, b_kn, acc, op=op, precision=split.precision())
+        if acc is not None:
+            return acc.copy_(y)
         y = y if bias is None else y + bias
         return y.to(out_dtype)
+    if acc is not None:
+        return acc.copy_(reference.chain(a, b_kn, acc, op=op))
     if b_form == "nk":
         return reference.linear(a, b, bias, out_dtype=out_dtype)
     if bias is None:

@@ -337,6 +337,15 @@ def _chain_split(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
     return out if exact else split.unscale(out, sa, sb)
 
 
+def _chain_tf32(a, b_nk, acc, model):
+    """fp32 at "tf32" precision: the 16-bit chain on fp16(x * s) of both operands, from the
+    scaled accumulator, unscaled."""
+    sa, sb = split.row_scales(a), split.row_scales(b_nk)
+    acc = None if acc is None else split.scale_acc(acc, sa, sb)
+    out = _chain(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), acc, model)
+    return split.unscale(out, sa, sb)
+
+
 def _chunked(a2, b2, out, model):
     """out + the chunks of a2 [M, K'] @ b2 [N, K']^T (16-bit parts, six steps per chunk)."""
     m, n = a2.shape[0], b2.shape[0]
@@ -374,10 +383,13 @@ def _chunked(a2, b2, out, model):
     return out
 
 
-def _accumulate(a, b_nk, acc, model, op="fwd"):
+def _accumulate(a, b_nk, acc, model, op="fwd", precision=None):
     """The chain of the inputs' tier: fp32 inputs take the split chain (of `op`: dW has its
-    own scheme), 16-bit inputs the plain one."""
+    own scheme; `precision`, default `split.precision()`), 16-bit inputs the plain one."""
     if a.dtype == torch.float32:
+        precision = precision or split.precision()
+        if op != "dw" and precision == "tf32":
+            return _chain_tf32(a, b_nk, acc, model)
         return _chain_split(a, b_nk, acc, model, op)
     return _chain(a, b_nk, acc, model)
 
@@ -406,12 +418,18 @@ def _model(model):
 
 
 def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
-          model: ChainModel | None = None, op: str = "dw") -> torch.Tensor:
+          model: ChainModel | None = None, op: str = "dw",
+          precision: str = "ieee") -> torch.Tensor:
     """The raw fp32 accumulator of ``a [M, K] @ b [K, N]``, continuing from ``acc``.
 
     ``acc`` (fp32 [M, N]) is where a previous chain stopped, as in ``dW += dY^T X``; without
     it the chain starts at +0. No epilogue, no rounding beyond the chain's own. `op` ("dw",
-    "fwd" or "dx") matters for fp32 inputs only: dW's split scheme differs (`split`)."""
+    "fwd" or "dx") and `precision` ("ieee" or "tf32") matter for fp32 inputs only: dW's
+    split scheme differs, and fwd/dX at "tf32" take one product of TF32-rounded values
+    (`split`)."""
+    if precision not in split.PRECISIONS:
+        raise ValueError(f"detgemm_cute.reference.chain: precision must be one of "
+                         f"{split.PRECISIONS}, got {precision!r}")
     if op not in ("fwd", "dx", "dw"):
         raise ValueError(f"detgemm_cute.reference.chain: op must be 'fwd', 'dx' or 'dw', "
                          f"got {op!r}")
@@ -427,7 +445,7 @@ def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
         if tuple(acc.shape) != want:
             raise ValueError(f"{op}: acc must have shape [M, N] = {list(want)}, got "
                              f"{tuple(acc.shape)}")
-    return _accumulate(_cpu(a), _cpu(b).t(), _cpu(acc), _model(model), gemm_op)
+    return _accumulate(_cpu(a), _cpu(b).t(), _cpu(acc), _model(model), gemm_op, precision)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, *,

@@ -32,6 +32,7 @@ input touches is NaN (IEEE would give Inf for an Inf that is not cancelled).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -42,6 +43,54 @@ STEPS = 6  # 16-wide steps per chunk
 CHUNK_K = 96  # split-operand K per chunk = the kernel's k tile
 PART_DTYPE = torch.float16
 TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
+
+
+# ---------------------------------------------------------------------------------------
+# Which precision an fp32 GEMM runs at.
+#
+# "ieee" (full precision): the schemes above and below. "tf32": one product per pair on
+# tensor cores, hi_a * hi_b, where hi = fp16(x * s) is x rounded to 11 significant bits
+# (round to nearest even: TF32's precision; per-row scales as above give fp16 the range),
+# accumulated by the 16-bit tier's chain (not chunked) and unscaled. dW stays "ieee" (its
+# exact scheme keeps micro-batches one chain; per-row scales over tokens would not).
+
+PRECISIONS = ("ieee", "tf32")
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def fp32_precision(precision: str):
+    """Run the fp32 GEMMs of this thread at `precision` ("ieee" or "tf32"), whatever
+    ``torch.backends.cuda.matmul`` says. The choice is read when each op runs (a backward
+    pass outside the block follows the torch setting)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"fp32_precision: precision must be one of {PRECISIONS}, got "
+                         f"{precision!r}")
+    prev = getattr(_local, "precision", None)
+    _local.precision = precision
+    try:
+        yield
+    finally:
+        _local.precision = prev
+
+
+def precision() -> str:
+    """This thread's fp32 precision: `fp32_precision`'s, else PyTorch's own choice
+    (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or ``allow_tf32``)."""
+    p = getattr(_local, "precision", None)
+    if p is not None:
+        return p
+    matmul = torch.backends.cuda.matmul
+    try:
+        return "tf32" if matmul.fp32_precision == "tf32" else "ieee"
+    except (AttributeError, RuntimeError):
+        return "tf32" if matmul.allow_tf32 else "ieee"
+
+
+def hi_operand(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The tf32 precision's operand: fp16(x * scale) [rows, K], contiguous (one kernel)."""
+    out = torch.empty(x.shape, dtype=PART_DTYPE, device=x.device)
+    return torch.mul(x, scale.unsqueeze(1), out=out)
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -231,5 +280,5 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["row_scales", "parts", "operand", "operand_cuda", "exact_operand_cuda", "exact_parts", "exact_operand", "EXACT_BLOCK_K", "split_k", "scale_acc", "unscale", "BLOCK_K",
+__all__ = ["PRECISIONS", "fp32_precision", "precision", "hi_operand", "row_scales", "parts", "operand", "operand_cuda", "exact_operand_cuda", "exact_parts", "exact_operand", "EXACT_BLOCK_K", "split_k", "scale_acc", "unscale", "BLOCK_K",
            "STEPS", "CHUNK_K", "PART_DTYPE"]
