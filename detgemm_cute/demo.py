@@ -91,6 +91,7 @@ def _cpu_demo() -> int:
           f"{'bit-identical' if same else 'DIFFERENT'}")
     same &= _cpu_grad_demo(g)
     same &= _cpu_bmm_demo(g)
+    same &= _cpu_fp32_demo(g)
     return 0 if (same and rc == 0) else 1
 
 
@@ -128,6 +129,28 @@ def _cpu_bmm_demo(g) -> bool:
     alone = dg.bmm(q[2:3], k[2:3].transpose(1, 2))
     same = torch.equal(alone.view(torch.int16), scores[2:3].view(torch.int16))
     print(f"entry 2 of a batch of 6 vs entry 2 alone: {'bit-identical' if same else 'DIFFERENT'}")
+    return same
+
+
+def _cpu_fp32_demo(g) -> bool:
+    """fp32 inputs: the split tier's rows are batch-invariant and its error is below an fp32
+    FMA chain's (CPU tensors run the model of the H100's fp32 kernels)."""
+    import detgemm_cute as dg
+
+    print("\n== 6. fp32 inputs (full precision: fp16 parts, chunked fp32 chain)")
+    x = torch.randn(48, 512, generator=g)
+    w = torch.randn(64, 512, generator=g)
+    y = dg.linear(x, w)
+    alone = dg.linear(x[5:6], w)
+    same = torch.equal(alone.view(torch.int32), y[5:6].view(torch.int32))
+    ref = x.double() @ w.double().t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    print(f"row 5 alone vs in a batch of 48: {'bit-identical' if same else 'DIFFERENT'}; "
+          f"relative error vs fp64 {err:.1e}")
+    with dg.fp32_precision("tf32"):
+        t = dg.linear(x, w)
+    err_t = ((t.double() - ref).norm() / ref.norm()).item()
+    print(f'precision "tf32" (11-bit inputs, one product): relative error {err_t:.1e}')
     return same
 
 

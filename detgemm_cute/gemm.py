@@ -259,6 +259,10 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then bias and the one
     rounding ("tf32" precision: fp16(x * s) alone, the 16-bit tier's GEMM). dW: exact bf16
     parts, no scales, the chunked GEMM continuing `acc`."""
+    if arch_of(a.device) != "sm90":
+        raise RuntimeError("detgemm_cute: fp32 inputs run on the sm90 kernel family (H100/H200) "
+                           "only; the sm80 family has no fp32 kernels. Cast to bf16/fp16, or "
+                           "use torch.autocast")
     b_nk = b if b_form == "nk" else b.t()
     if op != "dw" and split.precision() == "tf32":  # fp16(x * s): TF32's 11 bits, one product
         sa, sb = split.row_scales(a), split.row_scales(b_nk)

@@ -114,6 +114,9 @@ class _Fallback(Exception):
 def _route(op: str, *ts):
     """Count a routed call, or decide a fallback (raise when strict)."""
     why = _problem(*ts, dtypes=_IN if op.startswith(_BATCHED) else _IN_2D)
+    if why is None and ts[0].dtype == torch.float32 and ts[0].is_cuda and \
+            arch_of(ts[0].device) != "sm90":
+        why = "float32 inputs on the sm80 kernel family (fp32 runs on sm90 only)"
     if why is None:
         _routed[(op, _NAMES[ts[0].dtype])] += 1
         return
