@@ -22,9 +22,34 @@ import cutlass
 import cutlass.cute as cute
 
 _THREADS = 256
-_BLOCK = 32  # K per block
 _VEC = 4  # fp32 values per thread: one 16-byte load
-_QUADS = _BLOCK // _VEC
+
+
+def _grid(mX: cute.Tensor):
+    """Blocks of `_THREADS` threads, one thread per 4 values of X [rows, blocks, quads, 4]."""
+    units = cute.size(mX, mode=[0]) * cute.size(mX, mode=[1]) * cute.size(mX, mode=[2])
+    return [(units + _THREADS - 1) // _THREADS, 1, 1]
+
+
+@cute.jit
+def _this_quad(mX: cute.Tensor):
+    """(in range, row, block, quad) of this thread's 4 values; threads in memory order."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    quads = cute.size(mX, mode=[2])
+    blocks = cute.size(mX, mode=[1])
+    unit = bidx * _THREADS + tidx
+    q = unit % quads
+    rest = unit // quads
+    r = rest // blocks
+    return unit < cute.size(mX, mode=[0]) * blocks * quads, r, rest - r * blocks, q
+
+
+@cute.jit
+def _load_quad(mX: cute.Tensor, r, j, q):
+    xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
+    cute.autovec_copy(mX[(r, j, q, None)], xs)
+    return xs.load()
 
 
 class SplitFp16Parts:
@@ -38,35 +63,19 @@ class SplitFp16Parts:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, stream):
-        units = cute.size(mX, mode=[0]) * cute.size(mX, mode=[1]) * _QUADS
-        grid = (units + _THREADS - 1) // _THREADS
-        self.kernel(mX, mS, mO).launch(grid=[grid, 1, 1], block=[_THREADS, 1, 1],
-                                       stream=stream)
+        self.kernel(mX, mS, mO).launch(grid=_grid(mX), block=[_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        blocks = cute.size(mX, mode=[1])
-        unit = bidx * _THREADS + tidx
-        if unit < cute.size(mX, mode=[0]) * blocks * _QUADS:
-            q = unit % _QUADS
-            rest = unit // _QUADS
-            r = rest // blocks
-            j = rest - r * blocks
-            xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-            cute.autovec_copy(mX[(r, j, q, None)], xs)
-            x = xs.load() * mS[r]
+        ok, r, j, q = _this_quad(mX)
+        if ok:
+            x = _load_quad(mX, r, j, q) * mS[r]
             hi = x.to(cutlass.Float16)
             for group, value in ((self.neg_lo_group, (hi.to(cutlass.Float32) - x)),
                                  (self.neg_hi_group, -x), (2, x)):
                 part = cute.make_rmem_tensor((_VEC,), cutlass.Float16)
                 part.store(value.to(cutlass.Float16))
                 cute.autovec_copy(part, mO[(r, j, group, q, None)])
-
-
-_EXACT_BLOCK = 16  # K per block of dW's scheme
-_EXACT_QUADS = _EXACT_BLOCK // _VEC
 
 
 class SplitBf16Exact:
@@ -85,24 +94,13 @@ class SplitBf16Exact:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mO: cute.Tensor, stream):
-        units = cute.size(mX, mode=[0]) * cute.size(mX, mode=[1]) * _EXACT_QUADS
-        grid = (units + _THREADS - 1) // _THREADS
-        self.kernel(mX, mO).launch(grid=[grid, 1, 1], block=[_THREADS, 1, 1], stream=stream)
+        self.kernel(mX, mO).launch(grid=_grid(mX), block=[_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        blocks = cute.size(mX, mode=[1])
-        unit = bidx * _THREADS + tidx
-        if unit < cute.size(mX, mode=[0]) * blocks * _EXACT_QUADS:
-            q = unit % _EXACT_QUADS
-            rest = unit // _EXACT_QUADS
-            r = rest // blocks
-            j = rest - r * blocks
-            xs = cute.make_rmem_tensor((_VEC,), cutlass.Float32)
-            cute.autovec_copy(mX[(r, j, q, None)], xs)
-            x = xs.load()
+        ok, r, j, q = _this_quad(mX)
+        if ok:
+            x = _load_quad(mX, r, j, q)
             hi = x.to(cutlass.BFloat16)
             rest_v = x - hi.to(cutlass.Float32)
             mid = rest_v.to(cutlass.BFloat16)
