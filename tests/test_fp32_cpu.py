@@ -1,0 +1,123 @@
+"""The fp32 tier on the CPU: the split arithmetic, the reference's chains, precisions, the
+invariances CPU tensors can show, the table rules and that its kernels compile."""
+
+import pytest
+import torch
+
+import detgemm_cute as dg
+from detgemm_cute import reference as R
+from detgemm_cute import registry, split
+from detgemm_cute.kernels import sm80_limits, sm90_limits
+
+F32 = torch.float32
+
+
+def randn(*shape, seed=0, spread=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if spread:
+        x = x * torch.exp2(torch.randint(-spread, spread + 1, shape, generator=g).to(F32))
+    return x
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def test_exact_parts_add_back_to_x():
+    x = randn(4000, spread=60)
+    hi, mid, lo = split.exact_parts(x)
+    assert torch.equal(hi.double() + mid.double() + lo.double(), x.double())
+
+
+def test_scaled_parts_keep_22_bits_and_scales_are_powers_of_two():
+    x = randn(300, 64, seed=1, spread=8)
+    s = split.row_scales(x)
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5)  # powers of two
+    top = (x * s[:, None]).abs().amax(1)
+    assert torch.all((top >= 2**13) & (top < 2**14))
+    hi, lo = split.parts(x * s[:, None])
+    back = (hi.double() + lo.double()) / s[:, None].double()
+    big = x.abs() > 2.0**-14 * x.abs().amax(1, keepdim=True)  # away from fp16 subnormals
+    assert ((back - x.double()).abs() <= 2.0**-22 * x.double().abs())[big].all()
+
+
+def test_operand_layouts_hold_the_documented_steps():
+    x = randn(3, 40, seed=2)
+    s = split.row_scales(x)
+    hi, lo = split.parts(torch.nn.functional.pad(x, (0, 24)) * s[:, None])
+    for side, groups in (("a", (-lo, -hi, hi)), ("b", (-hi, -lo, hi))):
+        o = split.operand(x, s, side).view(3, 2, 3, 32)
+        for gi, want in enumerate(groups):
+            assert torch.equal(o[:, :, gi].float(), want.float().view(3, 2, 32))
+    assert split.operand(x, s, "a").shape == (3, split.split_k(40)) == (3, 192)
+
+
+def test_ieee_is_more_accurate_than_an_fp32_fma_chain():
+    a, b = randn(32, 2048, seed=3), randn(2048, 48, seed=4)
+    ref = a.double() @ b.double()
+    seq = torch.zeros(32, 48)
+    for k in range(2048):
+        seq = seq + a[:, k:k + 1] * b[k:k + 1, :]
+    assert rel_err(dg.mm(a, b), ref) < rel_err(seq, ref)
+
+
+def test_rows_invariant_and_micro_batched_dw_on_cpu():
+    x, w = randn(40, 200, seed=5, spread=10), randn(24, 200, seed=6)
+    y = dg.linear(x, w)
+    for rows in (slice(0, 1), slice(7, 20), slice(39, 40)):
+        assert R.same_bits(dg.linear(x[rows], w), y[rows])
+    dy, xx = randn(96, 24, seed=7), randn(96, 40, seed=8)
+    acc = torch.zeros(24, 40)
+    for part in (slice(0, 16), slice(16, 48), slice(48, 96)):
+        dg.weight_grad(dy[part], xx[part], acc=acc)
+    assert R.same_bits(acc, dg.weight_grad(dy, xx))
+
+
+def test_precisions_context_and_torch_flag():
+    x, w = randn(20, 300, seed=9), randn(30, 300, seed=10)
+    ref = x.double() @ w.double().t()
+    ieee = dg.linear(x, w)
+    with dg.fp32_precision("tf32"):
+        tf32 = dg.linear(x, w)
+        assert R.same_bits(tf32, R.linear(x, w))
+    assert 1e-5 < rel_err(tf32, ref) < 1e-3 and rel_err(ieee, ref) < 1e-6
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert R.same_bits(dg.linear(x, w), tf32)
+        with dg.fp32_precision("ieee"):
+            assert R.same_bits(dg.linear(x, w), ieee)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    with pytest.raises(ValueError, match="precision"):
+        with dg.fp32_precision("fp64"):
+            pass
+    with pytest.raises(ValueError, match="precision"):
+        R.chain(x, w.t(), precision="fast")
+
+
+def test_fp32_bucket_rules():
+    ok = sm90_limits.check_config((128, 128, 96), (1, 1), 4, False, dtypes=("fp32",))
+    assert ok == []
+    assert sm90_limits.check_config((128, 128, 64), (1, 1), 4, False, dtypes=("fp32",))
+    assert sm90_limits.check_config((128, 256, 96), (1, 1), 2, False, dtypes=("fp32",))
+    assert sm90_limits.check_config((128, 128, 96), (1, 1), 4, False, dtypes=("bf16", "fp32"))
+    assert sm90_limits.check_config((128, 128, 96), (1, 1), 4, False, dtypes=("bf16",))
+    assert sm80_limits.check_config((128, 128, 32), (1, 1), 3, False, dtypes=("fp32",))
+    reg = registry.get_registry("sm90")
+    assert {b.op for b in reg.buckets if "fp32" in b.dtypes} == set(registry.FP32_OPS)
+    assert reg.lookup("fwd", "fp32", 5000, 4096, 4096).tile[2] == sm90_limits.SPLIT_TILE_K
+
+
+def test_split_and_chunked_kernels_compile_on_cpu():
+    pytest.importorskip("cutlass")
+    from detgemm_cute import aot, compile as kcompile
+
+    b = registry.get_registry("sm90").bucket("dw_fp32_m257")
+    for call in aot._split_variants(b, "core"):
+        fn = kcompile.build(kcompile.KernelKey.for_bucket(b, arch="sm_90a", **call))
+        assert fn is not None
+    for scheme in ("scaled", "exact"):
+        assert split._compile_kernel(scheme, "a") is not None
