@@ -584,6 +584,10 @@ class Registry:
         for b in self.table(op, dtype):
             if b.contains(m, n, k):
                 return b
+        if not self.table(op, dtype) and dtype not in REQUIRED_DTYPES:
+            raise NoBucketError(
+                f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on the "
+                f"sm90 family's fwd, dx and dw only)")
         raise NoBucketError(
             f"no {self.arch} bucket serves op {op} dtype {dtype} at M={m}, N={n}, K={k}; the "
             f"built-in table declares ops: {', '.join(self.ops) or 'none'}")
