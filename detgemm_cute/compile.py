@@ -43,9 +43,9 @@ class KernelKey:
     arch: str = "sm_90a"
     accumulate: bool = False  # start from the fp32 values in C (dW +=) instead of +0.0
     batched: bool = False  # A, B, C are [L, ., .] batches (bmm), one launch for all entries
-    # The fp32 tier: A and B are fp32 operands split into scaled fp16 parts (`split.operand`,
-    # both [rows, K'] K-major); each k tile is a chunk summed from +0.0 and added to the fp32
-    # accumulator. `dtype` is then "fp16" (what the kernel reads), out fp32, no bias.
+    # The fp32 tier: A and B are fp32 operands split into 16-bit parts (`split`: fp16 for
+    # fwd/dX, bf16 for dW; both [rows, K'] K-major); each k tile is a chunk summed from +0.0
+    # and added to the fp32 accumulator. `dtype` is what the kernel reads; out fp32, no bias.
     split: bool = False
 
     @staticmethod

@@ -20,11 +20,11 @@ one launch (`batched`: the same chain per entry; the batch count changes nothing
 operand layout: a transposed A is a dW-shaped GEMM (``dw`` table), a ``[K, N]``-contiguous B
 a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bits.
 
-fp32 ``mm``/``addmm``/``mv`` run on the fp32 tier (`split`: full fp32 accuracy, whatever
-``torch.backends.cuda.matmul`` says about TF32); fp32 ``bmm``/``baddbmm``/``_grouped_mm``
-are not built yet and fall back. What detgemm cannot take (those, other dtypes, mixed
-dtypes, a GPU without detgemm kernels) falls back to PyTorch's own kernel (the original, obtained with
-``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
+fp32 ``mm``/``addmm``/``mv`` run on the fp32 tier (`split`; its precision follows
+``torch.backends.cuda.matmul``'s TF32 switch or `detgemm_cute.fp32_precision`); fp32
+``bmm``/``baddbmm``/``_grouped_mm`` are not built yet and fall back. What detgemm cannot
+take (those, other dtypes, mixed dtypes, a GPU without detgemm kernels) falls back to
+PyTorch's own kernel (the original, obtained with ``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
 guaranteed; ``strict=True`` raises instead. Malformed calls (wrong ranks or shapes) go to
 PyTorch's kernel so its usual error comes out.
 """
@@ -41,10 +41,11 @@ import torch
 
 from . import batched
 from .batched_ops import _grouped_impl, bias_row, broadcasts_to, scaled_sum
+from .errors import GEMM_DTYPES, IN_DTYPES
 from .gemm import arch_of, gemm
 
-_IN = (torch.bfloat16, torch.float16)
-_IN_2D = _IN + (torch.float32,)  # mm / addmm / mv: fp32 runs on the split fp32 tier
+_IN = IN_DTYPES
+_IN_2D = GEMM_DTYPES  # mm / addmm / mv: fp32 runs on the split fp32 tier
 _BATCHED = ("bmm", "baddbmm", "_grouped_mm")
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _lock = threading.RLock()

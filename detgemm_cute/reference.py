@@ -308,41 +308,35 @@ def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
         nan |= torch.isnan(acc_special)
         pinf |= acc_special == math.inf
         ninf |= acc_special == -math.inf
-    nan |= pinf & ninf
+    return _with_specials(out, nan, pinf, ninf)
+
+
+def _with_specials(out, nan, pinf, ninf):
+    """out with +Inf / -Inf / NaN where those masks say (NaN also where both Infs meet)."""
+    nan = nan | (pinf & ninf)
     out = torch.where(pinf, torch.full_like(out, math.inf), out)
     out = torch.where(ninf, torch.full_like(out, -math.inf), out)
     return torch.where(nan, torch.full_like(out, math.nan), out)
 
 
-def _chain_split(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
-                 model: ChainModel, op: str = "fwd") -> torch.Tensor:
-    """fp32 operands: the fp32 tier's chunked chain on 16-bit parts (`split`). fwd/dX:
-    scaled fp16 parts, chunks of one 32-wide block of K, the sum unscaled; dW: exact bf16
-    parts, chunks of one 16-wide block, no scales. Each chunk (six 16-wide steps) is the
-    chain from +0.0; the chunks are added in ascending K to the fp32 accumulator with IEEE
-    adds."""
+def _chain_fp32(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
+                model: ChainModel, op: str, precision: str) -> torch.Tensor:
+    """fp32 operands (`split`). dW: exact bf16 parts, the chunked chain continuing `acc`.
+    fwd/dX: per-row scales; "ieee" runs the chunked chain on fp16 parts, "tf32" the 16-bit
+    chain on fp16(x * s); both start from the scaled `acc` and are unscaled."""
     m, n = a.shape[0], b_nk.shape[0]
-    exact = op == "dw"
-    if exact:
+    if op == "dw":
         out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc.clone()
-        a2, b2 = split.exact_operand(a, "a"), split.exact_operand(b_nk, "b")
-    else:
-        sa, sb = split.row_scales(a), split.row_scales(b_nk)
-        out = (torch.zeros((m, n), dtype=torch.float32) if acc is None
-               else split.scale_acc(acc, sa, sb))
-        a2, b2 = split.operand(a, sa, "a"), split.operand(b_nk, sb, "b")
-    if m == 0:
-        return out
-    out = _chunked(a2, b2, out, model)
-    return out if exact else split.unscale(out, sa, sb)
-
-
-def _chain_tf32(a, b_nk, acc, model):
-    """fp32 at "tf32" precision: the 16-bit chain on fp16(x * s) of both operands, from the
-    scaled accumulator, unscaled."""
+        return out if m == 0 else _chunked(split.exact_operand(a, "a"),
+                                           split.exact_operand(b_nk, "b"), out, model)
     sa, sb = split.row_scales(a), split.row_scales(b_nk)
     acc = None if acc is None else split.scale_acc(acc, sa, sb)
-    out = _chain(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), acc, model)
+    if precision == "tf32":
+        out = _chain(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), acc, model)
+    else:
+        out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc
+        if m:
+            out = _chunked(split.operand(a, sa, "a"), split.operand(b_nk, sb, "b"), out, model)
     return split.unscale(out, sa, sb)
 
 
@@ -375,11 +369,9 @@ def _chunked(a2, b2, out, model):
         a_masks = a_masks if a_masks is not None else _no_specials(a_val)
         b_masks = b_masks if b_masks is not None else _no_specials(b_val)
         nan, pinf, ninf = _special_counts(a_masks, {k: v.t() for k, v in b_masks.items()})
-        nan = nan | torch.isnan(out) | (pinf & ninf) | (pinf & (out == -math.inf)) | (
-            ninf & (out == math.inf))
-        out = torch.where(pinf, torch.full_like(out, math.inf), out)
-        out = torch.where(ninf, torch.full_like(out, -math.inf), out)
-        out = torch.where(nan, torch.full_like(out, math.nan), out)
+        # The fp32 adds already made NaN/Inf of overflowed chunks: they meet the products'.
+        nan = nan | torch.isnan(out) | (pinf & (out == -math.inf)) | (ninf & (out == math.inf))
+        out = _with_specials(out, nan, pinf, ninf)
     return out
 
 
@@ -388,9 +380,7 @@ def _accumulate(a, b_nk, acc, model, op="fwd", precision=None):
     own scheme; `precision`, default `split.precision()`), 16-bit inputs the plain one."""
     if a.dtype == torch.float32:
         precision = precision or split.precision()
-        if op != "dw" and precision == "tf32":
-            return _chain_tf32(a, b_nk, acc, model)
-        return _chain_split(a, b_nk, acc, model, op)
+        return _chain_fp32(a, b_nk, acc, model, op, precision)
     return _chain(a, b_nk, acc, model)
 
 

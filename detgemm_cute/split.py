@@ -144,8 +144,8 @@ _kernel_lock = threading.Lock()
 
 def operand_cuda(x: torch.Tensor, scale: torch.Tensor, side: str) -> torch.Tensor:
     """`operand` on a CUDA tensor in one pass (`kernels.split_parts`, the same bits);
-    ``DETGEMM_CUTE_SPLIT_KERNEL=0`` runs the PyTorch version instead. A K that is not a
-    multiple of 32, or a K that is not the unit-stride dim, is copied first."""
+    ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import) runs the PyTorch version instead. A K
+    that is not a multiple of 32, or a K that is not the unit-stride dim, is copied first."""
     if not _kernels_on():
         return operand(x, scale, side)
     x, rows, blocks = _blocked(x, BLOCK_K)
@@ -158,8 +158,12 @@ def operand_cuda(x: torch.Tensor, scale: torch.Tensor, side: str) -> torch.Tenso
     return out
 
 
+# Read once at import: the split runs on every fp32 GEMM.
+_KERNELS_ON = os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "off", "false")
+
+
 def _kernels_on() -> bool:
-    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "off", "false")
+    return _KERNELS_ON
 
 
 def _blocked(x, block):
@@ -280,5 +284,7 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["PRECISIONS", "fp32_precision", "precision", "hi_operand", "row_scales", "parts", "operand", "operand_cuda", "exact_operand_cuda", "exact_parts", "exact_operand", "EXACT_BLOCK_K", "split_k", "scale_acc", "unscale", "BLOCK_K",
-           "STEPS", "CHUNK_K", "PART_DTYPE"]
+__all__ = ["PRECISIONS", "fp32_precision", "precision", "hi_operand", "row_scales", "parts",
+           "operand", "operand_cuda", "exact_parts", "exact_operand", "exact_operand_cuda",
+           "split_k", "scale_acc", "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K",
+           "PART_DTYPE"]

@@ -33,6 +33,12 @@ the batch is the L mode of every tensor (grid z for `Sm90Gemm`, the third coordi
 persistent tile index for `Sm90GemmPersistent`). A tile never spans two entries, so each
 entry is the chain above, as if it ran alone. Rank-2 operands get an L mode of size 1.
 
+Chunked chain (`chunked`, the fp32 tier's split operands, see detgemm_cute/split.py): each
+k tile is one chunk. Its WGMMA steps run onto a second register fragment that starts at
++0.0; once they retire, the fragment is added to the accumulator with one fp32 add (round to
+nearest even) and the stage is released. The chunks are added in ascending K, so every
+output element is again one fixed chain, whatever the tile.
+
 Epilogue: optional bias is converted to fp32 and added to the fp32 accumulator, then each
 value is rounded once (round-to-nearest-even) to the output dtype and stored through shared
 memory with TMA.
