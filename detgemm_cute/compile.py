@@ -47,11 +47,13 @@ class KernelKey:
     # fwd/dX, bf16 for dW; both [rows, K'] K-major); each k tile is a chunk summed from +0.0
     # and added to the fp32 accumulator. `dtype` is what the kernel reads; out fp32, no bias.
     split: bool = False
+    pingpong: bool = False  # two consumer warpgroups on alternate tiles (sm90, persistent)
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
-                         stages=bucket.stages, persistent=bucket.persistent, **call)
+                         stages=bucket.stages, persistent=bucket.persistent,
+                         pingpong=getattr(bucket, "pingpong", False), **call)
 
 
 _lock = threading.Lock()
@@ -135,9 +137,9 @@ def build(key: KernelKey, extra_options: str = ""):
 
     import cutlass
 
-    gemm = kernel_module(key.arch).kernel_class(key.persistent)(key.tile, key.cluster, key.stages,
-                                        b_is_kn=key.b_form == "kn", has_bias=key.has_bias,
-                                        accumulate=key.accumulate, **_kernel_options(key))
+    kernel_class = kernel_module(key.arch).kernel_class(key.persistent, key.pingpong)
+    gemm = kernel_class(key.tile, key.cluster, key.stages, b_is_kn=key.b_form == "kn",
+                        has_bias=key.has_bias, accumulate=key.accumulate, **_kernel_options(key))
     a, b, c, bias, stream = _make_fakes(key)
     # max_clusters is a run-time argument: the persistent grid is sized to the GPU it runs on.
     return cute.compile(gemm, a, b, c, bias, cutlass.Int32(1), stream,

@@ -38,7 +38,8 @@ FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync
 
 _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
-_DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False, "note": ""}
+_DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
+             "pingpong": False, "note": ""}
 _BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS)
 _DIMS = ("m", "n", "k")
 
@@ -79,6 +80,7 @@ class Bucket:
     source: Path
     line: int
     layer: int  # 0 = built-in, 1.. = user layers in the order added
+    pingpong: bool = False  # two consumer warpgroups on alternate tiles (needs persistent)
 
     def contains(self, m: int, n: int, k: int) -> bool:
         return _in(m, self.m) and _in(n, self.n) and _in(k, self.k)
@@ -287,9 +289,9 @@ def _check_field(key, v):
     if key == "stages":
         return (v, None) if _is_int(v) else (None, f"stages must be an integer, got {v!r} "
                                                   f"({_type_name(v)})")
-    if key == "persistent":
+    if key in ("persistent", "pingpong"):
         ok = isinstance(v, bool)
-        return (v, None) if ok else (None, f"persistent must be true or false, got {v!r}")
+        return (v, None) if ok else (None, f"{key} must be true or false, got {v!r}")
     if key == "note":
         ok = isinstance(v, str)
         return (v, None) if ok else (None, f"note must be a string, got {v!r}")
@@ -326,7 +328,8 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> Buck
     if len(probs.lines) != before:
         return None
     for field, msg in limits.check_config(values["tile"], values["cluster"], values["stages"],
-                                          values["persistent"], dtypes=values["dtypes"]):
+                                          values["persistent"], dtypes=values["dtypes"],
+                                          pingpong=values["pingpong"]):
         probs.add(key_lines.get(field, line), msg, label, field)
     if "fp32" in values["dtypes"] and values["op"] not in FP32_OPS:
         probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no fp32 kernel; fp32 "

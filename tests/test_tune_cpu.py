@@ -47,7 +47,8 @@ def test_candidates_are_valid_budgeted_and_start_with_the_incumbent(mnk):
     assert cands[0] == inc and 8 <= len(cands) <= 16
     assert len(set(cands)) == len(cands)
     for c in cands:
-        assert sm90_limits.check_config(c.tile, c.cluster, c.stages, c.persistent) == [], c
+        assert sm90_limits.check_config(c.tile, c.cluster, c.stages, c.persistent,
+                                        **dict(c.extra)) == [], c
     assert len({c.name for c in cands}) == len(cands)
 
 

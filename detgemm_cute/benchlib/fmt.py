@@ -52,7 +52,7 @@ def fmt_bucket(b) -> str:
     if cluster is not None:
         parts.append(f"c{dims(cluster)}")
     if getattr(b, "persistent", False) is True:
-        parts.append("p")
+        parts.append("pp" if getattr(b, "pingpong", False) is True else "p")
     return " ".join(parts)
 
 

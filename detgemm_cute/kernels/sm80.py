@@ -362,10 +362,10 @@ class Sm80Gemm:
                                 rows_b_full and k_full_b)
 
 
-def kernel_class(persistent: bool):
+def kernel_class(persistent: bool, pingpong: bool = False):
     """The SM80 family has one kernel: one CTA per output tile."""
-    if persistent:
-        raise ValueError("the sm80 kernel family has no persistent kernel")
+    if persistent or pingpong:
+        raise ValueError("the sm80 kernel family has no persistent or ping-pong kernel")
     return Sm80Gemm
 
 

@@ -52,7 +52,8 @@ def max_stages(tile: tuple[int, int, int]) -> int:
     return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
-def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str, str]]:
+def check_config(tile, cluster, stages, persistent, dtypes=(),
+                 pingpong=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     if "fp32" in dtypes:
         return [("dtypes", "the sm80 kernel family has no fp32 (split, chunked) kernel; "
@@ -67,4 +68,7 @@ def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str
                                        "persistent must be false"))
     elif persistent is not False:
         problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
+    if pingpong is not False:
+        problems.append(("pingpong", "the sm80 kernel has no ping-pong variant: pingpong "
+                                     "must be false"))
     return problems

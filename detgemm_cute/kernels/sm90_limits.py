@@ -44,39 +44,52 @@ def mma_rows(tile_m: int) -> int:
     return max(64, tile_m)
 
 
-def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False) -> tuple[int, int]:
+def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False,
+                  pingpong: bool = False) -> tuple[int, int]:
     """Sub-tile the epilogue stages through shared memory (rows, cols): rows of the
     accumulator (64 or 128), and the wider of 32/16 columns that divides BN."""
     m = mma_rows(tile_m)
-    rows = min(128, m) if _two_warpgroups(tile_m, tile_n, chunked) else min(64, m)
+    two = warpgroups(tile_m, tile_n, chunked, pingpong) == 2
+    rows = min(128, m) if two else min(64, m)
     cols = next(c for c in (32, 16) if tile_n % c == 0)
     return rows, cols
 
 
-def _two_warpgroups(tile_m: int, tile_n: int, chunked: bool = False) -> bool:
-    # Wide tiles are split over two consumer warpgroups along M to avoid register spills;
-    # a chunked tile holds two fragments, so it splits from BN 128 down.
-    return tile_m > 64 and (chunked or tile_n > 128)
+def warpgroups(tile_m: int, tile_n: int, chunked: bool = False, pingpong: bool = False) -> int:
+    """Warpgroups that compute one tile. Wide tiles are split over two along M to avoid
+    register spills; a chunked tile holds two fragments, so it splits from BN 128 down. In
+    ping-pong one warpgroup runs a whole tile (so BN is capped, `PINGPONG_TILE_N_MAX`)."""
+    two = tile_m > 64 and (chunked or tile_n > 128)
+    return 2 if two and not pingpong else 1
 
 
-def warpgroups(tile_m: int, tile_n: int, chunked: bool = False) -> int:
-    return 2 if _two_warpgroups(tile_m, tile_n, chunked) else 1
+# Ping-pong (two consumer warpgroups on alternate tiles, one warpgroup per tile): one
+# warpgroup holds a BM x BN fp32 accumulator, BN registers per thread at BM 128, so BN is
+# capped where the fragment still fits next to the mainloop's registers.
+PINGPONG_TILE_M = (64, 128)
+PINGPONG_TILE_N_MAX = {64: 256, 128: 192}
 
 
-def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
+def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False) -> int:
     """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
     buffer (its own region of the same size for every output dtype)."""
     bm, bn, bk = tile
-    er, ec = epilogue_tile(bm, bn, bk == SPLIT_TILE_K)
+    er, ec = epilogue_tile(bm, bn, bk == SPLIT_TILE_K, pingpong)
     return (stages * (mma_rows(bm) + bn) * bk * IN_BYTES + BARRIER_BYTES
             + EPI_BYTES_PER_ROWCOL * er * ec)
 
 
-def max_stages(tile: tuple[int, int, int]) -> int:
-    return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
+def max_stages(tile: tuple[int, int, int], pingpong: bool = False) -> int:
+    return limits_common.max_stages(tile, lambda t, s: smem_bytes(t, s, pingpong), STAGES,
+                                    SMEM_BYTES)
 
 
-def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str, str]]:
+# Extra bucket keys `detgemm-cute tune` tries (first value = the default).
+TUNE_OPTIONS = {"pingpong": (False, True)}
+
+
+def check_config(tile, cluster, stages, persistent, dtypes=(),
+                 pingpong=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     split = "fp32" in dtypes
     if split and len(dtypes) > 1:
@@ -86,7 +99,8 @@ def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str
     tile_k = (SPLIT_TILE_K,) if split else TILE_K
     tile_m = tuple(m for m in TILE_M if m >= 64) if split else TILE_M
     problems = limits_common.tile_and_stage_problems(
-        tile, stages, (tile_m, tile_n, tile_k), STAGES, smem_bytes, SMEM_BYTES)
+        tile, stages, (tile_m, tile_n, tile_k), STAGES,
+        lambda t, s: smem_bytes(t, s, pingpong is True), SMEM_BYTES)
     if not problems and tile[0] == 8 and tile[1] % 32:
         # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
         # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0
@@ -100,4 +114,23 @@ def check_config(tile, cluster, stages, persistent, dtypes=()) -> list[tuple[str
                         f"{MAX_CLUSTER_SIZE}, got {[cm, cn]}"))
     if persistent not in (False, True):
         problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
+    problems += _pingpong_problems(tile, persistent, split, pingpong)
     return problems
+
+
+def _pingpong_problems(tile, persistent, split, pingpong) -> list[tuple[str, str]]:
+    if pingpong is False:
+        return []
+    if pingpong is not True:
+        return [("pingpong", f"pingpong must be true or false, got {pingpong!r}")]
+    if persistent is not True:
+        return [("pingpong", "the ping-pong kernel is persistent: set persistent: true")]
+    if split:
+        return [("pingpong", "fp32 (split) buckets have no ping-pong kernel")]
+    bm, bn, _ = tile
+    if bm not in PINGPONG_TILE_M:
+        return [("tile", f"ping-pong needs BM in {PINGPONG_TILE_M}, got {bm}")]
+    if bn > PINGPONG_TILE_N_MAX[bm]:
+        return [("tile", f"ping-pong runs a tile on one warpgroup: BN <= "
+                         f"{PINGPONG_TILE_N_MAX[bm]} at BM {bm}, got {bn}")]
+    return []

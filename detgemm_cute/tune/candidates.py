@@ -32,11 +32,12 @@ How the list is built, for a GEMM of M rows, N columns and reduction K on a GPU 
    (else the BK that fits the most stages).
 4. Variants per tile shape, in this order:
      v0 persistent, cluster 1x1, the most stages that fit (one CTA per SM)
-        then v0 with each non-default value of each extra option
+        then v0 with each non-default value of each extra option (the limits accept)
      v1 one tile per CTA, cluster 1x1, the most stages that fit
      v2 one tile per CTA, cluster 1x1, the most stages with which two CTAs fit per SM
         (one CTA's epilogue runs under the other's mainloop), if that is >= 3
      v3 persistent, a 2-CTA cluster along the dimension with more tiles (if >= 2 tiles there)
+        then v3 with each extra option value, as for v0
      v4 one tile per CTA, that cluster
    Variants the limits reject are skipped.
 5. Round-robin over the kept tile shapes, variant by variant (v0 of every tile, then v1 ...)
@@ -126,11 +127,18 @@ class Space:
 
     def check(self, tile, cluster, stages, persistent, extra=()) -> bool:
         try:
-            return not self.limits.check_config(tuple(tile), tuple(cluster), stages, persistent)
-        except TypeError:  # a changed signature: the registry validates later
+            return not self.limits.check_config(tuple(tile), tuple(cluster), stages, persistent,
+                                                **dict(extra))
+        except TypeError:  # a key the limits do not take: the registry validates later
             return True
 
-    def max_stages(self, tile) -> int:
+    def max_stages(self, tile, extra=()) -> int:
+        """The most stages that fit; `extra` options the limits' max_stages takes count."""
+        if extra:
+            try:
+                return self.limits.max_stages(tuple(tile), **dict(extra))
+            except TypeError:  # options that do not change shared memory
+                pass
         return self.limits.max_stages(tuple(tile))
 
     def stages_for_ctas(self, tile, ctas: int, machine: Machine) -> int:
@@ -232,20 +240,32 @@ def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine) -> list[Cand
     if cluster:
         raw += [(True, cluster, full), (False, cluster, full)]
     out = [Candidate(tile, c, s, p) for p, c, s in raw if s >= 2 and space.check(tile, c, s, p)]
-    if out:
-        base = out[0]
-        extra = [dataclasses.replace(base, extra=tuple(sorted(dict(base.extra, **{key: v}).items())))
-                 for key, values in space.options for v in values[1:]]
-        out[1:1] = extra
-    return out
+    # Each non-default value of each extra option on every persistent variant, right after it.
+    with_options = []
+    for cand in out:
+        with_options.append(cand)
+        if not cand.persistent:
+            continue
+        for key, values in space.options:
+            for v in values[1:]:
+                extra = tuple(sorted(dict(cand.extra, **{key: v}).items()))
+                alt = dataclasses.replace(cand, extra=extra,
+                                          stages=space.max_stages(cand.tile, extra))
+                if space.check(alt.tile, alt.cluster, alt.stages, alt.persistent, alt.extra):
+                    with_options.append(alt)
+    return with_options
 
 
 def candidates_for(m: int, n: int, k: int, space: Space, machine: Machine = Machine(),
                    out_bytes: int = 2, max_candidates: int = 16, max_tiles: int = 5,
-                   slack: float = 1.3, incumbent: Candidate | None = None) -> list[Candidate]:
-    """The candidate list of one GEMM (M rows, N columns, reduction K), incumbent first."""
+                   slack: float = 1.3, incumbent: Candidate | None = None,
+                   tiles=None) -> list[Candidate]:
+    """The candidate list of one GEMM (M rows, N columns, reduction K), incumbent first.
+    `tiles`: (BM, BN) shapes to use instead of the ranked ones (step 1-2)."""
     per_tile = []
-    for bm, bn, _t in rank_tiles(m, n, k, space, machine, out_bytes, slack, max_tiles):
+    ranked = tiles if tiles else [(bm, bn) for bm, bn, _t in
+                                  rank_tiles(m, n, k, space, machine, out_bytes, slack, max_tiles)]
+    for bm, bn in ranked:
         bk = pick_bk(bm, bn, space)
         if bk is not None:
             per_tile.append(tile_variants(m, n, bm, bn, bk, space, machine))

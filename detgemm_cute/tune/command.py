@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--skip-candidate", action="append", default=[], metavar="TEXT",
                    help="leave out candidates whose name contains TEXT, e.g. 8x16x128_c1x2 "
                         "(repeatable; the table's own bucket is always timed)")
+    c.add_argument("--tiles", metavar="BMxBN,...",
+                   help="time these tile shapes instead of the ones the wave arithmetic ranks "
+                        "first, e.g. 128x192,128x128,64x256")
+    c.add_argument("--only-candidate", action="append", default=[], metavar="TEXT",
+                   help="time only candidates whose name contains TEXT, e.g. pingpong-true "
+                        "(repeatable: any of them; the table's own bucket is always timed)")
     r = p.add_argument_group("run")
     r.add_argument("--jobs", type=int, default=None,
                    help="compile processes (default: CPU cores - 2; 1 = compile in-process)")
@@ -132,15 +138,26 @@ def plan_candidates(problems, arch: str, dtype_name: str, sms: int, args, reg):
     options = dict(parse_option(o) for o in args.option)
     space = space_for(arch, options)
     machine = Machine(sms=sms)
+    tiles = None
+    if args.tiles:
+        try:
+            tiles = [tuple(int(v) for v in t.lower().split("x")) for t in args.tiles.split(",")]
+        except ValueError:
+            tiles = []
+        if not tiles or any(len(t) != 2 for t in tiles):
+            raise ValueError(f"--tiles {args.tiles!r}: expected BMxBN[,BMxBN...], "
+                             f"e.g. 128x192,64x256")
     plan = {}
     for p in problems:
         m, n, k = p.gemm_mnk
         inc = Candidate.from_bucket(reg.lookup(p.op, dtype_name, m, n, k))
         cands = candidates_for(m, n, k, space, machine, out_bytes=4 if p.op == "dw" else 2,
                                max_candidates=args.max_candidates, max_tiles=args.max_tiles,
-                               incumbent=inc)
+                               incumbent=inc, tiles=tiles)
         plan[p] = cands[:1] + [c for c in cands[1:]
-                               if not any(t in c.name for t in args.skip_candidate)]
+                               if not any(t in c.name for t in args.skip_candidate)
+                               and (not args.only_candidate
+                                    or any(t in c.name for t in args.only_candidate))]
     return plan
 
 

@@ -40,7 +40,8 @@ def _yaml_value(v) -> str:
 
 def bucket_lines(fields: dict) -> list[str]:
     """One YAML list item (a bucket) with its fields in the schema's order."""
-    order = ("name", "op", "dtypes", "m", "n", "k", "tile", "cluster", "stages", "persistent")
+    order = ("name", "op", "dtypes", "m", "n", "k", "tile", "cluster", "stages", "persistent",
+             "pingpong")
     keys = [k for k in order if k in fields] + [k for k in fields if k not in order
                                                 and k != "note"]
     if "note" in fields:

@@ -1,0 +1,397 @@
+"""Host-side setup and device helpers shared by the SM90 GEMM kernels (`sm90.py`).
+
+Nothing here decides the order of the arithmetic beyond one output tile: the mainloop
+helpers issue a tile's k tiles in ascending order onto its accumulators, and the kernel
+classes in `sm90.py` decide which tile a CTA (or a consumer warpgroup) runs when.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive
+
+from . import sm90_limits
+from .operands import b_as_nk, with_batch_mode
+
+WG = 128  # threads per warpgroup
+EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
+
+
+class Sm90Base:
+    """Host-side setup and device helpers shared by both SM90 kernels.
+
+    ``tile`` (BM, BN, BK), ``cluster`` (CM, CN) and ``stages`` come from a registry bucket;
+    ``b_is_kn`` says whether B arrives as a [K, N] tensor (``mm``) or [N, K] (``linear``).
+    """
+
+    producer_warpgroups = 0
+    pingpong = False  # two consumer warpgroups on alternate tiles (Sm90GemmPingpong)
+
+    def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
+                 accumulate: bool = False, chunked: bool = False):
+        self.tile_shape_mnk = tuple(tile)
+        self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
+        self.row_tile = tile[0] < self.mma_m
+        self.accumulate = accumulate
+        # Chunked chain (the fp32 tier): each k tile is summed from +0.0 on its own
+        # registers, then added to the accumulator with one fp32 add (see the module doc).
+        self.chunked = chunked
+        self.cluster_shape_mn = tuple(cluster)
+        self.ab_stage = stages
+        self.b_is_kn = b_is_kn
+        self.has_bias = has_bias
+        self.acc_dtype = cutlass.Float32
+        # Warpgroups that compute one tile together (the tiled MMA), and consumer warpgroups
+        # in the CTA: the same, except in ping-pong, where each of two runs a tile alone.
+        self.tile_warp_groups = sm90_limits.warpgroups(tile[0], tile[1], chunked, self.pingpong)
+        self.mma_warp_groups = 2 if self.pingpong else self.tile_warp_groups
+        self.atom_layout_mnk = (self.tile_warp_groups, 1, 1)
+        # Threads that consume each stage and share one epilogue.
+        self.tile_threads = WG * self.tile_warp_groups
+        self.threads_per_cta = WG * (self.mma_warp_groups + self.producer_warpgroups)
+        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1], chunked, self.pingpong)
+        # Stored per epilogue sub-tile: a row tile stores only its BM rows.
+        self.store_tile = (min(tile[0], self.epi_tile[0]), self.epi_tile[1])
+        self.buffer_align_bytes = 1024
+        self.is_a_mcast = cluster[1] > 1
+        self.is_b_mcast = cluster[0] > 1
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
+                 mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
+        # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
+        mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
+            with_batch_mode(mC)
+
+        self.a_dtype = mA.element_type
+        self.b_dtype = mB.element_type
+        self.c_dtype = mC.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(mA)
+        self.b_layout = utils.LayoutEnum.from_tensor(mB)
+        self.c_layout = utils.LayoutEnum.from_tensor(mC)
+        self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+
+        bm, bn, bk = self.tile_shape_mnk
+        mma_tile = (self.mma_m, bn, bk)
+        if cutlass.const_expr(self.row_tile):
+            # Rows outermost, so the BM rows TMA loads are a prefix of each stage.
+            a_smem = self._row_major_a_smem(self.mma_m)
+            a_load = self._row_major_a_smem(bm)
+        else:
+            a_smem = sm90_utils.make_smem_layout_a(
+                self.a_layout, mma_tile, self.a_dtype, self.ab_stage)
+            a_load = a_smem
+        b_smem = sm90_utils.make_smem_layout_b(
+            self.b_layout, mma_tile, self.b_dtype, self.ab_stage)
+        epi_smem = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+        epi_store = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.store_tile, self.epi_stage)
+        self.tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_load, (None, None, 0)))
+                          + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
+
+        tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
+        tma_atom_b, tma_b = self._tma_load(mB, b_smem, (bn, bk), self.cluster_shape_mn[0])
+        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
+            cute.slice_(epi_store, (None, None, 0)), self.store_tile)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem)], self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        grid, extra_args, extra_launch = self._schedule(mC, max_clusters)
+        mC_in = mC if cutlass.const_expr(self.accumulate) else None
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias, mC_in,
+                    self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, *extra_args,
+                    ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
+                             cluster=(*self.cluster_shape_mn, 1), stream=stream,
+                             **extra_launch)
+
+    def _row_major_a_smem(self, rows):
+        """K-major A stages with the 8-row swizzle atoms ordered K first, rows outermost:
+        the first `rows` rows of a stage are then one contiguous prefix (row tiles only)."""
+        bk = self.tile_shape_mnk[2]
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.a_layout, self.a_dtype, bk), self.a_dtype)
+        return cute.tile_to_shape(atom, (rows, bk, self.ab_stage), order=(1, 0, 2))
+
+    @staticmethod
+    def _tma_load(tensor, smem_layout_staged, smem_tile, mcast):
+        op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
+              else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), smem_tile,
+            num_multicast=mcast)
+
+    # ------------------------------------------------------- device-side helpers
+    @cute.jit
+    def _prefetch_descriptors(self, tma_atom_a, tma_atom_b):
+        """Warp 0 prefetches the TMA descriptors; returns (uniform warp index, thread index)."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+        tidx, _, _ = cute.arch.thread_idx()
+        return warp_idx, tidx
+
+    @cute.jit
+    def _setup(self, storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
+               epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b):
+        """Pipeline barriers, smem tensors and TMA partitions over all (m|n, k) tiles."""
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mask = a_mask if self.is_a_mcast else 0
+        b_mask = b_mask if self.is_b_mcast else 0
+        mcast_size = self.cluster_shape_mn[0] + self.cluster_shape_mn[1] - 1
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, mcast_size * (self.tile_threads // 32)),
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        if cutlass.const_expr(self.row_tile):
+            self._zero_row_tile_padding(storage)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer,
+                                   swizzle=epi_smem_layout_staged.inner)
+        bm, bn, bk = self.tile_shape_mnk
+        gA = cute.local_tile(mA_mk, (bm, bk), (None, None, None))  # (BM, BK, tm, tk, L)
+        gB = cute.local_tile(mB_nk, (bn, bk), (None, None, None))  # (BN, BK, tn, tk, L)
+        sA_load = sA
+        if cutlass.const_expr(self.row_tile):
+            sA_load = cute.flat_divide(sA, (bm, bk))[(None, None, 0, 0, None)]  # BM-row prefix
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, cluster_coord[1],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, cluster_coord[0],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        k_tiles = cute.size(gA, mode=[3])
+        return ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles
+
+    @cute.jit
+    def _zero_row_tile_padding(self, storage):
+        """Row tiles: zero rows BM..63 of every A stage once (TMA never writes them), with
+        16-byte stores from every thread, then make them visible to WGMMA (async proxy)."""
+        bm, _, bk = self.tile_shape_mnk
+        row_words = bk * self.a_dtype.width // 32
+        stage_words = self.mma_m * row_words
+        chunks = (self.mma_m - bm) * row_words // 4  # 16-byte chunks of padding per stage
+        base = cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32) + bm * row_words
+        pad = cute.make_tensor(base, cute.make_layout((4, chunks, self.ab_stage),
+                                                      stride=(1, 4, stage_words)))
+        zero = cute.make_rmem_tensor((4,), cutlass.Int32)
+        zero.fill(0)
+        tidx, _, _ = cute.arch.thread_idx()
+        total = chunks * self.ab_stage
+        for i in cutlass.range_constexpr(-(-total // self.threads_per_cta)):
+            c = tidx + i * self.threads_per_cta
+            if c < total:
+                cute.autovec_copy(zero, pad[(None, c % chunks, c // chunks)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _load_k_tile(self, ab_pipeline, state, tma_atom_a, tAgA_k, tAsA, a_mask,
+                     tma_atom_b, tBgB_k, tBsB, b_mask):
+        """TMA k tile `state.count` of this output tile into stage `state.index`."""
+        ab_pipeline.producer_acquire(state)
+        bar = ab_pipeline.producer_get_barrier(state)
+        cute.copy(tma_atom_a, tAgA_k[(None, state.count)], tAsA[(None, state.index)],
+                  tma_bar_ptr=bar, mcast_mask=a_mask)
+        cute.copy(tma_atom_b, tBgB_k[(None, state.count)], tBsB[(None, state.index)],
+                  tma_bar_ptr=bar, mcast_mask=b_mask)
+        ab_pipeline.producer_commit(state)
+
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage):
+        """One k tile: its 16-wide WGMMA steps in ascending K onto the accumulators."""
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mainloop(self, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles,
+                  refill, drain: cutlass.Constexpr = True):
+        """All k tiles of one output tile, in order: k tile 0 (K >= 1, so it exists), then
+        1, 2, ... with one WGMMA batch in flight; the stage the previous batch read is
+        released once it retires. `refill` (non-persistent kernel only) is (is_producer,
+        producer state, TMA operands...): that warp then reloads the freed stage at once.
+        Returns the advanced (read, release, producer) states. With `drain` all WGMMAs have
+        retired; without, the last batch may still run (the caller waits for it)."""
+        prod = None
+        if cutlass.const_expr(refill is not None):
+            prod = refill[1]
+        ab_pipeline.consumer_wait(read)
+        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+        read.advance()
+        for _k in cutlass.range(1, k_tiles, 1, unroll=1):
+            ab_pipeline.consumer_wait(read)
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            read.advance()
+            if cutlass.const_expr(refill is not None):
+                if refill[0] and prod.count < k_tiles:
+                    self._load_k_tile(ab_pipeline, prod, *refill[2:])
+                    prod.advance()
+        if cutlass.const_expr(drain):
+            cute.nvgpu.warpgroup.wait_group(0)
+        return read, release, prod
+
+    @cute.jit
+    def _mainloop_chunked(self, ab_pipeline, read, tiled_mma, acc, part, tCrA, tCrB, k_tiles,
+                          refill):
+        """The chunked chain: for each k tile in order, its WGMMA steps run onto `part`
+        from +0.0; once they retire, ``acc = acc + part`` (one fp32 add, round to nearest
+        even, per element) and the stage is released at once (so, unlike `_mainloop`, every
+        stage this tile read is released on return). `refill` as in `_mainloop`."""
+        prod = None
+        if cutlass.const_expr(refill is not None):
+            prod = refill[1]
+        for _k in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(read)
+            part.fill(0.0)
+            self._mma_k_tile(tiled_mma, part, tCrA, tCrB, read.index)
+            cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + part[i]
+            ab_pipeline.consumer_release(read)
+            read.advance()
+            if cutlass.const_expr(refill is not None):
+                if refill[0] and prod.count < k_tiles:
+                    self._load_k_tile(ab_pipeline, prod, *refill[2:])
+                    prod.advance()
+        return read, prod
+
+    @cute.jit
+    def _init_acc(self, acc, thr_mma_thread, mC_in_mnl, tile_m, tile_n, tile_l):
+        """Start the chain: +0.0, or (dW +=) the fp32 values already in C, so this call
+        continues exactly where the previous one stopped. Elements past M or N stay 0;
+        the TMA store clips them."""
+        acc.fill(0.0)
+        if cutlass.const_expr(self.accumulate):
+            mC_in = mC_in_mnl[(None, None, tile_l)]
+            bm, bn, _ = self.tile_shape_mnk
+            if cutlass.const_expr(self.row_tile):
+                # Accumulator rows BM..63 are padding: they stay 0 and are never stored.
+                cC = cute.make_identity_tensor((self.mma_m, bn))
+                tCcC = thr_mma_thread.partition_C(cC)
+                m0, n0 = tile_m * bm, tile_n * bn
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, c = tCcC[i]
+                    if r < bm and cute.elem_less((m0 + r, n0 + c), mC_in.shape):
+                        acc[i] = mC_in[(m0 + r, n0 + c)]
+            else:
+                gC = cute.local_tile(mC_in, (bm, bn), (tile_m, tile_n))
+                cC = cute.local_tile(cute.make_identity_tensor(mC_in.shape), (bm, bn),
+                                     (tile_m, tile_n))
+                tCgC = thr_mma_thread.partition_C(gC)
+                tCcC = thr_mma_thread.partition_C(cC)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if cute.elem_less(tCcC[i], mC_in.shape):
+                        acc[i] = tCgC[i]
+
+    @cute.jit
+    def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
+        """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
+        n_total = cute.size(mC_mn, mode=[1])
+        _, bn, _ = self.tile_shape_mnk
+        # Column coordinates of this thread's fragment (rows do not matter for the bias).
+        tCcC = thr_mma_thread.partition_C(cute.make_identity_tensor((self.mma_m, bn)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # Columns past N are clipped by the TMA store; clamp so the load stays in bounds.
+            n = cutlass.min(tile_n * bn + tCcC[i][1], n_total - 1)
+            acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
+
+    @cute.jit
+    def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
+                  c_pipeline, buf_base, barrier):
+        """Round once to the output dtype, stage through shared memory, TMA-store."""
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_layout = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3])
+        tRS_rD = cute.make_rmem_tensor(rD_layout.shape, self.acc_dtype)
+        out = cute.make_rmem_tensor(rD_layout.shape, self.c_dtype)
+        n_rd = cute.size(tRS_rD)
+
+        gC_epi = cute.zipped_divide(gC, self.store_tile)
+        sC_store = sC
+        if cutlass.const_expr(self.row_tile):
+            sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+            for v in cutlass.range_constexpr(n_rd):
+                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
+            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
+            buf = (buf_base + epi_idx) % self.epi_stage
+            cute.copy(tiled_copy_r2s, out, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            barrier.arrive_and_wait()
+            if is_store_warp:
+                cute.copy(tma_atom_c, bSG_sD[(None, buf)],
+                          bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
+                c_pipeline.producer_commit()
+                c_pipeline.producer_acquire()
+            barrier.arrive_and_wait()
+
+    def _epilogue_sync(self):
+        """The TMA-store pipeline and named barrier of one tile's epilogue threads."""
+        c_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads))
+        barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
+                                        num_threads=self.tile_threads)
+        return c_pipeline, barrier
+
+    def _epi_tiles(self):
+        return (self.mma_m // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
+
+    def _acc_shape(self, thr_mma):
+        """This thread's accumulator fragment of one (mma rows, BN) tile."""
+        return thr_mma.partition_C(
+            cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1]))).shape
