@@ -48,12 +48,17 @@ class KernelKey:
     # and added to the fp32 accumulator. `dtype` is what the kernel reads; out fp32, no bias.
     split: bool = False
     pingpong: bool = False  # two consumer warpgroups on alternate tiles (sm90, persistent)
+    # The call computes C^T = op(B)^T A^T (operands swapped): the kernel's C is an M-major
+    # view of the caller's [M, N] output and its bias runs along the kernel's rows. The
+    # kernel's A is then the caller's B (a_major/b_form/b_contig describe the kernel's view).
+    swap_ab: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
                          stages=bucket.stages, persistent=bucket.persistent,
-                         pingpong=getattr(bucket, "pingpong", False), **call)
+                         pingpong=getattr(bucket, "pingpong", False),
+                         swap_ab=getattr(bucket, "swap_ab", False), **call)
 
 
 _lock = threading.Lock()
@@ -87,8 +92,10 @@ def _make_fakes(key: KernelKey):
     a = fake(in_t, (m, k_a), key.a_major == "k")
     b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
     b = fake(in_t, b_shape, key.b_contig == "last")
-    c = fake(out_t, (m, n), True)
-    bias = make_fake_tensor(in_t, (n,), stride=(1,), assumed_align=2) if key.has_bias else None
+    c = fake(out_t, (m, n), not key.swap_ab)  # swapped: an M-major view of the output
+    bias_len = m if key.swap_ab else n
+    bias = make_fake_tensor(in_t, (bias_len,), stride=(1,), assumed_align=2) \
+        if key.has_bias else None
     return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
@@ -148,11 +155,16 @@ def build(key: KernelKey, extra_options: str = ""):
 
 def _kernel_options(key: KernelKey) -> dict:
     """Constructor options only some kernel families take."""
-    if key.split:
+    opts = {}
+    if key.split or key.swap_ab:
         if family_of(key.arch) != "sm90":
-            raise ValueError(f"the fp32 (split) tier has sm90 kernels only, not {key.arch}")
-        return {"chunked": True}
-    return {}
+            raise ValueError(f"the fp32 (split) tier and swapped operands have sm90 kernels "
+                             f"only, not {key.arch}")
+    if key.split:
+        opts["chunked"] = True
+    if key.swap_ab:
+        opts["bias_on_rows"] = True
+    return opts
 
 
 def get(key: KernelKey):

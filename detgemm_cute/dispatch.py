@@ -143,7 +143,8 @@ class Explanation:
             f"  why:     {self.reason}",
             f"  kernel:  tile {'x'.join(map(str, b.tile))}, cluster "
             f"{'x'.join(map(str, b.cluster))}, stages {b.stages}, persistent "
-            f"{str(b.persistent).lower()}{', ping-pong' if b.pingpong else ''}",
+            f"{str(b.persistent).lower()}{', ping-pong' if b.pingpong else ''}"
+            f"{', operands swapped (C^T = B A^T)' if b.swap_ab else ''}",
         ]
         if b.note:
             lines.append(f"  note:    {b.note}")

@@ -122,14 +122,19 @@ class _Plan:
     apply, so a warm call is allocate + launch (`out_shape`, `out_dtype`, `device`)."""
 
     __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "bias_copy", "acc_copy",
-                 "max_clusters", "fast", "out_shape", "out_dtype", "device", "dev_index")
+                 "max_clusters", "fast", "out_shape", "out_dtype", "device", "dev_index", "swap")
 
     def __init__(self, fn, stage_a, stage_b, pad_cols, bias_copy, acc_copy, max_clusters,
-                 out_shape=None, out_dtype=None, device=None, accumulate=False, split=False):
+                 out_shape=None, out_dtype=None, device=None, accumulate=False, split=False,
+                 swap=False):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.pad_cols, self.bias_copy, self.max_clusters = pad_cols, bias_copy, max_clusters
         self.acc_copy = acc_copy
-        self.fast = not (stage_a or stage_b or pad_cols or bias_copy or accumulate or split)
+        # The bucket swaps operands: the kernel computes C^T = op(B)^T A^T into C.t(), and
+        # stage_a / stage_b refer to the kernel's A (the caller's B) and B (the caller's A).
+        self.swap = swap
+        self.fast = not (stage_a or stage_b or pad_cols or bias_copy or accumulate or split
+                         or swap)
         self.out_shape, self.out_dtype, self.device = out_shape, out_dtype, device
         self.dev_index = None if device is None else device.index
 
@@ -142,6 +147,9 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
     forced = _forced.name
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
               else dispatch.lookup(op, "fp32" if split_in else dtype, arch, m, n, k))
+    swap = bucket.swap_ab and not split_in
+    if swap:  # the kernel's A is op(B)^T ([N, K]), its B the caller's A ([M, K], "nk")
+        a, b, b_form = swapped_operands(a, b, b_form)
     if split_in:
         stage_a = stage_b = False
         a_major, b_form_eff, b_contig = "k", "nk", "last"
@@ -160,14 +168,19 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
-        accumulate=acc is not None, split=bool(split_in))
+        accumulate=acc is not None, split=bool(split_in), swap_ab=swap)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
     bias_copy = bias is not None and bias.stride(0) != 1
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
                  max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None,
-                 split=bool(split_in))
+                 split=bool(split_in), swap=swap)
+
+
+def swapped_operands(a, b, b_form):
+    """(A', B', "nk") with A' @ B'^T = (A @ op(B))^T: A' = op(B)^T as [N, K], B' = A."""
+    return (b if b_form == "nk" else b.t()), a, "nk"
 
 
 def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, split_in=False):
@@ -222,6 +235,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
                          key or _key(a, b, b_form, bias, out_dtype, op, acc, split_in), m, n, k,
                          split_in)
+    if plan.swap:
+        a, b, b_form = swapped_operands(a, b, b_form)
     if plan.stage_a:
         a = stage_k_major(a, True)
     if plan.stage_b:
@@ -239,12 +254,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
             c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         if acc is not None:
             c.copy_(acc)
+    c_kernel = c.t() if plan.swap else c
     dev = a.device.index
     if dev is not None and dev != _current_device():
         with torch.cuda.device(dev):
-            plan.fn(a, b, c, bias, plan.max_clusters)
+            plan.fn(a, b, c_kernel, bias, plan.max_clusters)
     else:
-        plan.fn(a, b, c, bias, plan.max_clusters)
+        plan.fn(a, b, c_kernel, bias, plan.max_clusters)
     if acc is not None:
         if plan.acc_copy:
             acc.copy_(c)

@@ -32,6 +32,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 REQUIRED_DTYPES = ("bf16", "fp16")
 # Ops the fp32 tier has (bmm takes 16-bit inputs only).
 FP32_OPS = ("fwd", "dx", "dw")
+# Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.
+SWAP_OPS = ("fwd", "dx", "dw")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
 LIMITS_MODULES = {"sm90": "kernels.sm90_limits", "sm80": "kernels.sm80_limits"}
 FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync)"}
@@ -39,7 +41,7 @@ FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync
 _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
 _DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
-             "pingpong": False, "note": ""}
+             "pingpong": False, "swap_ab": False, "note": ""}
 _BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS)
 _DIMS = ("m", "n", "k")
 
@@ -81,6 +83,7 @@ class Bucket:
     line: int
     layer: int  # 0 = built-in, 1.. = user layers in the order added
     pingpong: bool = False  # two consumer warpgroups on alternate tiles (needs persistent)
+    swap_ab: bool = False  # compute C^T = op(B)^T A^T: the tile's M runs along the caller's N
 
     def contains(self, m: int, n: int, k: int) -> bool:
         return _in(m, self.m) and _in(n, self.n) and _in(k, self.k)
@@ -289,7 +292,7 @@ def _check_field(key, v):
     if key == "stages":
         return (v, None) if _is_int(v) else (None, f"stages must be an integer, got {v!r} "
                                                   f"({_type_name(v)})")
-    if key in ("persistent", "pingpong"):
+    if key in ("persistent", "pingpong", "swap_ab"):
         ok = isinstance(v, bool)
         return (v, None) if ok else (None, f"{key} must be true or false, got {v!r}")
     if key == "note":
@@ -329,8 +332,12 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> Buck
         return None
     for field, msg in limits.check_config(values["tile"], values["cluster"], values["stages"],
                                           values["persistent"], dtypes=values["dtypes"],
-                                          pingpong=values["pingpong"]):
+                                          pingpong=values["pingpong"],
+                                          swap_ab=values["swap_ab"]):
         probs.add(key_lines.get(field, line), msg, label, field)
+    if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
+        probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "
+                  f"swap_ab serves {', '.join(SWAP_OPS)}", label, "swap_ab")
     if "fp32" in values["dtypes"] and values["op"] not in FP32_OPS:
         probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no fp32 kernel; fp32 "
                   f"buckets serve {', '.join(FP32_OPS)}", label, "dtypes")

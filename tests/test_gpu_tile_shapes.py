@@ -18,49 +18,60 @@ import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import gemm, grads, registry  # noqa: E402
 from gpu_helpers import poison, rand, same_bits  # noqa: E402
 
-# (tile, stages, persistent, cluster, pingpong)
+# (tile, stages, persistent, cluster, pingpong, swap_ab)
 TILES = [
-    ((16, 16, 128), 10, True, (1, 1), False),
-    ((8, 64, 128), 6, True, (1, 1), False),
-    ((8, 32, 128), 8, True, (1, 2), False),
-    ((16, 32, 128), 8, False, (1, 1), False),
-    ((16, 48, 128), 7, True, (1, 1), False),
-    ((32, 64, 64), 10, True, (1, 1), False),
-    ((32, 80, 128), 6, False, (1, 1), False),
-    ((64, 96, 64), 8, True, (1, 1), False),
-    ((64, 112, 64), 8, False, (1, 1), False),
-    ((128, 160, 64), 4, True, (1, 1), False),
-    ((128, 224, 64), 3, True, (1, 1), False),
-    ((128, 96, 64), 6, False, (2, 1), False),
+    ((16, 16, 128), 10, True, (1, 1), False, False),
+    ((8, 64, 128), 6, True, (1, 1), False, False),
+    ((8, 32, 128), 8, True, (1, 2), False, False),
+    ((16, 32, 128), 8, False, (1, 1), False, False),
+    ((16, 48, 128), 7, True, (1, 1), False, False),
+    ((32, 64, 64), 10, True, (1, 1), False, False),
+    ((32, 80, 128), 6, False, (1, 1), False, False),
+    ((64, 96, 64), 8, True, (1, 1), False, False),
+    ((64, 112, 64), 8, False, (1, 1), False, False),
+    ((128, 160, 64), 4, True, (1, 1), False, False),
+    ((128, 224, 64), 3, True, (1, 1), False, False),
+    ((128, 96, 64), 6, False, (2, 1), False, False),
 ]
 # Ping-pong: two consumer warpgroups on alternate tiles of a CTA, one warpgroup per tile.
 PINGPONG = [
-    ((128, 192, 64), 5, True, (1, 1), True),
-    ((128, 160, 64), 5, True, (2, 1), True),
-    ((128, 128, 64), 6, True, (1, 2), True),
-    ((64, 256, 64), 5, True, (1, 1), True),
-    ((64, 128, 128), 4, True, (2, 1), True),
+    ((128, 192, 64), 5, True, (1, 1), True, False),
+    ((128, 160, 64), 5, True, (2, 1), True, False),
+    ((128, 128, 64), 6, True, (1, 2), True, False),
+    ((64, 256, 64), 5, True, (1, 1), True, False),
+    ((64, 128, 128), 4, True, (2, 1), True, False),
 ]
+# Swapped operands: the kernel computes C^T = op(B)^T A^T into a transposed view of the
+# output (M-major C, bias along the kernel's rows); plain, persistent and ping-pong kernels.
+SWAPPED = [
+    ((128, 256, 64), 4, True, (1, 2), False, True),
+    ((128, 160, 64), 5, True, (2, 1), True, True),
+    ((64, 112, 128), 4, False, (1, 1), False, True),
+    ((128, 128, 64), 6, False, (2, 1), False, True),
+    ((64, 256, 64), 5, True, (1, 1), True, True),
+]
+ALL = TILES + PINGPONG + SWAPPED
 _FAR = 10**12  # an M no call reaches: the buckets are used only when forced
 
 
-def _name(tile, stages, persistent, cluster, pingpong):
+def _name(tile, stages, persistent, cluster, pingpong, swap_ab):
     return (f"shape_{'x'.join(map(str, tile))}_s{stages}{'_p' if persistent else ''}"
-            f"{'p' if pingpong else ''}_c{cluster[0]}x{cluster[1]}")
+            f"{'p' if pingpong else ''}_c{cluster[0]}x{cluster[1]}{'_sw' if swap_ab else ''}")
 
 
 @pytest.fixture(scope="module")
 def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
-    for i, spec in enumerate(TILES + PINGPONG):
-        tile, stages, persistent, cluster, pingpong = spec
-        for op in ("fwd", "dx", "dw") + (("bmm",) if pingpong else ()):
+    for i, spec in enumerate(ALL):
+        tile, stages, persistent, cluster, pingpong, swap_ab = spec
+        for op in ("fwd", "dx", "dw") + (("bmm",) if pingpong and not swap_ab else ()):
             lines += [f"  - name: {op}_{_name(*spec)}",
                       f"    op: {op}", "    dtypes: [bf16, fp16]",
                       f"    m: [{_FAR + i}, {_FAR + i}]", f"    tile: {list(tile)}",
                       f"    cluster: {list(cluster)}", f"    stages: {stages}",
                       f"    persistent: {str(persistent).lower()}",
-                      f"    pingpong: {str(pingpong).lower()}"]
+                      f"    pingpong: {str(pingpong).lower()}",
+                      f"    swap_ab: {str(swap_ab).lower()}"]
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -77,7 +88,7 @@ def _forced(op, spec, fn):
         return fn()
 
 
-@pytest.mark.parametrize("spec", TILES + PINGPONG, ids=[_name(*t) for t in TILES + PINGPONG])
+@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_bits(forced_layer, spec, dtype):
     for m, n, k in [(1, 1000, 4104), (5, 264, 1000), (13, 3000, 520), (64, 776, 2048),
@@ -94,7 +105,7 @@ def test_forward_bits(forced_layer, spec, dtype):
         assert same_bits(_forced("fwd", spec, lambda: dg.mm(xt, w.t())), dg.mm(xt, w.t()))
 
 
-@pytest.mark.parametrize("spec", TILES + PINGPONG, ids=[_name(*t) for t in TILES + PINGPONG])
+@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
 def test_backward_bits(forced_layer, spec):
     t, n, k = 48, 520, 264
     dy, w, x = rand(t, n), rand(n, k), rand(t, k)
@@ -106,11 +117,12 @@ def test_backward_bits(forced_layer, spec):
     assert same_bits(got, want)
 
 
-@pytest.mark.parametrize("spec", PINGPONG, ids=[_name(*t) for t in PINGPONG])
-def test_pingpong_many_tiles_per_cta(forced_layer, spec):
-    """Problems with several tiles per CTA, so both consumer warpgroups run tiles and skip
-    each other's stages (an odd and an even count per CTA, tails in M, N and K): the bits
-    of every op equal the built-in table's, and no poisoned output survives."""
+@pytest.mark.parametrize("spec", PINGPONG + SWAPPED, ids=[_name(*t) for t in PINGPONG + SWAPPED])
+def test_many_tiles_per_cta(forced_layer, spec):
+    """Problems with several tiles per CTA, so both ping-pong consumer warpgroups run tiles
+    and skip each other's stages (an odd and an even count per CTA, tails in M, N and K),
+    and swapped problems whose M is large: the bits of every op equal the built-in table's,
+    and no poisoned output survives."""
     for m, n, k in [(2000, 3000, 1000), (4100, 1032, 520), (777, 5120, 4104)]:
         x, w, b = rand(m, k), rand(n, k), rand(n)
         assert same_bits(_forced("fwd", spec, lambda: dg.linear(x, w, b)),
@@ -122,6 +134,8 @@ def test_pingpong_many_tiles_per_cta(forced_layer, spec):
         want = grads.weight_grad(dy, x, acc=acc0.clone())
         got = _forced("dw", spec, lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
         assert same_bits(got, want), (m, n, k)
+    if spec[5]:  # swapped buckets do not serve bmm
+        return
     # A batch: the tile index's L coordinate walks entries; every entry as if alone.
     a, bt = rand(6, 300, 520), rand(6, 520, 700)
     got = _forced("bmm", spec, lambda: dg.bmm(a, bt))

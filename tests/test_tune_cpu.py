@@ -66,11 +66,12 @@ def test_wave_arithmetic():
 
 
 def test_extra_options_pass_through():
-    sp = C.space_for("sm90", {"swap_ab": (False, True)})
-    cands = C.candidates_for(8, 4096, 4096, sp)
-    extra = [c for c in cands if c.extra]
-    assert extra and all(dict(c.extra) == {"swap_ab": True} for c in extra)
-    assert "swap_ab-true" in extra[0].name and extra[0].fields()["swap_ab"] is True
+    # A key the limits do not know (a layer's own kernel field) passes through as it is.
+    sp = C.space_for("sm90", {"a_rows": (16, 8)})
+    cands = C.candidates_for(8, 4096, 4096, sp, max_candidates=64)
+    extra = [c for c in cands if dict(c.extra).get("a_rows") == 8]
+    assert extra and all(c.persistent for c in extra)
+    assert "a_rows-8" in extra[0].name and extra[0].fields()["a_rows"] == 8
     assert C.Candidate.from_fields(extra[0].fields()) == extra[0]
     assert C.parse_option("swap_ab=false,true") == ("swap_ab", (False, True))
     assert C.parse_option("a_rows=16,8") == ("a_rows", (16, 8))
@@ -444,7 +445,7 @@ def test_an_unbuildable_candidate_is_tried_once(monkeypatch, tmp_path, capsys):
 
     def call(op, dg, bucket=None):
         fn = real(op, dg, bucket)
-        if bucket and "_s4" in bucket:            # these "fail to compile"
+        if bucket and "_s8" in bucket:            # these "fail to compile"
             def broken(s):
                 tried.append(bucket)
                 raise RuntimeError("DSLRuntimeError: cannot build this tile")
@@ -459,3 +460,22 @@ def test_an_unbuildable_candidate_is_tried_once(monkeypatch, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "could not be built" in text
     assert tried and len(tried) == len(set(tried))       # each failing one tried on one problem
+
+
+def test_pingpong_and_swapped_candidates():
+    """The sm90 limits' options: ping-pong variants pass its limits (persistent, BN cap) with
+    the stages its smaller epilogue buffer allows; swapped candidates rank tiles on (N, M)."""
+    sp = C.space_for("sm90")
+    cands = C.candidates_for(777, 9472, 3584, sp, max_candidates=64)
+    pp = [c for c in cands if dict(c.extra).get("pingpong")]
+    sw = [c for c in cands if dict(c.extra).get("swap_ab")]
+    assert pp and sw and any(dict(c.extra) == {"pingpong": True, "swap_ab": True} for c in cands)
+    for c in pp:
+        assert c.persistent and c.tile[1] <= sm90_limits.PINGPONG_TILE_N_MAX[c.tile[0]]
+        assert c.stages == sm90_limits.max_stages(c.tile, pingpong=True)
+    for c in cands:
+        assert sm90_limits.check_config(c.tile, c.cluster, c.stages, c.persistent,
+                                        **dict(c.extra)) == [], c
+    # Swapped: the tile's M runs along N = 9472 and its N along M = 777.
+    assert {c.tile[:2] for c in sw} == {(bm, bn) for bm, bn, _ in C.rank_tiles(
+        9472, 777, 3584, sp, C.Machine())}

@@ -53,6 +53,8 @@ def fmt_bucket(b) -> str:
         parts.append(f"c{dims(cluster)}")
     if getattr(b, "persistent", False) is True:
         parts.append("pp" if getattr(b, "pingpong", False) is True else "p")
+    if getattr(b, "swap_ab", False) is True:
+        parts.append("sw")
     return " ".join(parts)
 
 

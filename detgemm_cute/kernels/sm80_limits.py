@@ -52,8 +52,8 @@ def max_stages(tile: tuple[int, int, int]) -> int:
     return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
 
 
-def check_config(tile, cluster, stages, persistent, dtypes=(),
-                 pingpong=False) -> list[tuple[str, str]]:
+def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
+                 swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     if "fp32" in dtypes:
         return [("dtypes", "the sm80 kernel family has no fp32 (split, chunked) kernel; "
@@ -71,4 +71,7 @@ def check_config(tile, cluster, stages, persistent, dtypes=(),
     if pingpong is not False:
         problems.append(("pingpong", "the sm80 kernel has no ping-pong variant: pingpong "
                                      "must be false"))
+    if swap_ab is not False:
+        problems.append(("swap_ab", "the sm80 family does not swap operands: swap_ab must "
+                                    "be false"))
     return problems

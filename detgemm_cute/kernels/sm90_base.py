@@ -34,7 +34,7 @@ class Sm90Base:
     pingpong = False  # two consumer warpgroups on alternate tiles (Sm90GemmPingpong)
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
-                 accumulate: bool = False, chunked: bool = False):
+                 accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False):
         self.tile_shape_mnk = tuple(tile)
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
@@ -46,6 +46,9 @@ class Sm90Base:
         self.ab_stage = stages
         self.b_is_kn = b_is_kn
         self.has_bias = has_bias
+        # The bias runs along M (one value per row of C): a call that computes C^T = B A^T
+        # into a transposed view of the caller's output ("swap_ab") has its bias there.
+        self.bias_on_rows = bias_on_rows
         self.acc_dtype = cutlass.Float32
         # Warpgroups that compute one tile together (the tiled MMA), and consumer warpgroups
         # in the CTA: the same, except in ping-pong, where each of two runs a tile alone.
@@ -328,15 +331,19 @@ class Sm90Base:
 
     @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile_m, tile_n):
-        """acc += float32(bias[n]), one IEEE fp32 add per element, before the rounding."""
-        n_total = cute.size(mC_mn, mode=[1])
-        _, bn, _ = self.tile_shape_mnk
-        # Column coordinates of this thread's fragment (rows do not matter for the bias).
+        """acc += float32(bias[n]) (or bias[m], `bias_on_rows`), one IEEE fp32 add per
+        element, before the rounding."""
+        mode = 0 if cutlass.const_expr(self.bias_on_rows) else 1
+        total = cute.size(mC_mn, mode=[mode])
+        bm, bn, _ = self.tile_shape_mnk
+        start = (tile_m * bm) if cutlass.const_expr(self.bias_on_rows) else (tile_n * bn)
+        # Coordinates of this thread's fragment in the tile.
         tCcC = thr_mma_thread.partition_C(cute.make_identity_tensor((self.mma_m, bn)))
         for i in cutlass.range_constexpr(cute.size(acc)):
-            # Columns past N are clipped by the TMA store; clamp so the load stays in bounds.
-            n = cutlass.min(tile_n * bn + tCcC[i][1], n_total - 1)
-            acc[i] = acc[i] + mBias[n].to(cutlass.Float32)
+            # Elements past M or N are clipped by the TMA store; clamp so the load stays in
+            # bounds.
+            j = cutlass.min(start + tCcC[i][mode], total - 1)
+            acc[i] = acc[i] + mBias[j].to(cutlass.Float32)
 
     @cute.jit
     def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,

@@ -85,11 +85,13 @@ def max_stages(tile: tuple[int, int, int], pingpong: bool = False) -> int:
 
 
 # Extra bucket keys `detgemm-cute tune` tries (first value = the default).
-TUNE_OPTIONS = {"pingpong": (False, True)}
+TUNE_OPTIONS = {"pingpong": (False, True), "swap_ab": (False, True)}
+# The option that swaps operands (C^T = B A^T): tune ranks its tiles on (N, M).
+SWAP_KEY = "swap_ab"
 
 
-def check_config(tile, cluster, stages, persistent, dtypes=(),
-                 pingpong=False) -> list[tuple[str, str]]:
+def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
+                 swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     split = "fp32" in dtypes
     if split and len(dtypes) > 1:
@@ -115,6 +117,15 @@ def check_config(tile, cluster, stages, persistent, dtypes=(),
     if persistent not in (False, True):
         problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
     problems += _pingpong_problems(tile, persistent, split, pingpong)
+    if swap_ab is not False:
+        if swap_ab is not True:
+            problems.append(("swap_ab", f"swap_ab must be true or false, got {swap_ab!r}"))
+        elif split:
+            problems.append(("swap_ab", "fp32 (split) buckets do not swap operands"))
+        elif tile[0] < 64:
+            problems.append(("swap_ab", f"swapped operands put the caller's N on the tile's "
+                                        f"M: row tiles (BM < 64) are for small M, got BM "
+                                        f"{tile[0]}"))
     return problems
 
 

@@ -33,14 +33,17 @@ How the list is built, for a GEMM of M rows, N columns and reduction K on a GPU 
 4. Variants per tile shape, in this order:
      v0 persistent, cluster 1x1, the most stages that fit (one CTA per SM)
         then v0 with each non-default value of each extra option (the limits accept)
-     v1 one tile per CTA, cluster 1x1, the most stages that fit
-     v2 one tile per CTA, cluster 1x1, the most stages with which two CTAs fit per SM
+     v1 persistent, a 2-CTA cluster along the dimension with more tiles (if >= 2 tiles there)
+        then v1 with each extra option value, as for v0
+     v2 one tile per CTA, cluster 1x1, the most stages that fit
+     v3 one tile per CTA, the cluster of v1
+     v4 one tile per CTA, cluster 1x1, the most stages with which two CTAs fit per SM
         (one CTA's epilogue runs under the other's mainloop), if that is >= 3
-     v3 persistent, a 2-CTA cluster along the dimension with more tiles (if >= 2 tiles there)
-        then v3 with each extra option value, as for v0
-     v4 one tile per CTA, that cluster
    Variants the limits reject are skipped.
-5. Round-robin over the kept tile shapes, variant by variant (v0 of every tile, then v1 ...)
+5. Where the family can swap operands (limits `SWAP_KEY`, e.g. sm90's swap_ab: the kernel
+   computes C^T = B A^T, so the tile's M runs along N), steps 1-4 run again on (N, M) and
+   those candidates carry the swap key; the swapped tile shapes join the others.
+6. Round-robin over the kept tile shapes, variant by variant (v0 of every tile, then v1 ...)
    until `max_candidates` (16). The table's current bucket for the problem is added first.
 """
 
@@ -120,6 +123,7 @@ class Space:
     clusters: tuple  # 2-CTA clusters allowed, e.g. ((2, 1), (1, 2)); () for none
     limits: object
     options: tuple = ()  # ((key, (default, other, ...)), ...)
+    swap_key: str = ""  # the option that swaps operands (tiles ranked on (N, M)), if any
 
     def mma_rows(self, bm: int) -> int:
         fn = getattr(self.limits, "mma_rows", None)
@@ -167,7 +171,7 @@ def space_for(arch: str, options=None) -> Space:
     opts = dict(getattr(lim, "TUNE_OPTIONS", {}) or {})
     opts.update(options or {})
     return Space(tuple(lim.TILE_M), tuple(lim.TILE_N), tuple(lim.TILE_K), clusters, lim,
-                 tuple((k, tuple(v)) for k, v in opts.items()))
+                 tuple((k, tuple(v)) for k, v in opts.items()), getattr(lim, "SWAP_KEY", ""))
 
 
 def predict_us(m: int, n: int, k: int, bm: int, bn: int, space: Space, machine: Machine,
@@ -223,8 +227,10 @@ def pick_bk(bm: int, bn: int, space: Space, min_stages: int = 4) -> int | None:
     return bk if s >= getattr(space.limits, "STAGES", (2, 16))[0] else None
 
 
-def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine) -> list[Candidate]:
-    """v0..v4 and the extra-option variants of one tile shape, in priority order."""
+def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine,
+                  fixed: tuple = ()) -> list[Candidate]:
+    """v0..v4 and the extra-option variants of one tile shape, in priority order. `fixed`:
+    extra ((key, value), ...) every variant carries (the swapped orientation)."""
     tile = (bm, bn, bk)
     full = space.max_stages(tile)
     two = space.stages_for_ctas(tile, 2, machine)
@@ -234,12 +240,16 @@ def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine) -> list[Cand
         want = (2, 1) if tm >= tn else (1, 2)
         if want in space.clusters and (tm if want == (2, 1) else tn) >= 2:
             cluster = want
-    raw = [(True, (1, 1), full), (False, (1, 1), full)]
+    raw = [(True, (1, 1), full)]
+    if cluster:
+        raw.append((True, cluster, full))
+    raw.append((False, (1, 1), full))
+    if cluster:
+        raw.append((False, cluster, full))
     if two >= 3 and two != full:
         raw.append((False, (1, 1), two))
-    if cluster:
-        raw += [(True, cluster, full), (False, cluster, full)]
-    out = [Candidate(tile, c, s, p) for p, c, s in raw if s >= 2 and space.check(tile, c, s, p)]
+    out = [Candidate(tile, c, s, p, fixed) for p, c, s in raw
+           if s >= 2 and space.check(tile, c, s, p, fixed)]
     # Each non-default value of each extra option on every persistent variant, right after it.
     with_options = []
     for cand in out:
@@ -247,6 +257,8 @@ def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine) -> list[Cand
         if not cand.persistent:
             continue
         for key, values in space.options:
+            if key == space.swap_key or key in dict(fixed):
+                continue
             for v in values[1:]:
                 extra = tuple(sorted(dict(cand.extra, **{key: v}).items()))
                 alt = dataclasses.replace(cand, extra=extra,
@@ -263,12 +275,20 @@ def candidates_for(m: int, n: int, k: int, space: Space, machine: Machine = Mach
     """The candidate list of one GEMM (M rows, N columns, reduction K), incumbent first.
     `tiles`: (BM, BN) shapes to use instead of the ranked ones (step 1-2)."""
     per_tile = []
-    ranked = tiles if tiles else [(bm, bn) for bm, bn, _t in
-                                  rank_tiles(m, n, k, space, machine, out_bytes, slack, max_tiles)]
-    for bm, bn in ranked:
-        bk = pick_bk(bm, bn, space)
-        if bk is not None:
-            per_tile.append(tile_variants(m, n, bm, bn, bk, space, machine))
+    # The problem as given, and (where the family can swap operands) as C^T = B A^T: the
+    # tile's M then runs along N, so its tiles are ranked on (N, M).
+    orientations = [(m, n, ())]
+    if space.swap_key and space.swap_key in dict(space.options):
+        orientations.append((n, m, ((space.swap_key, True),)))
+    for om, on, fixed in orientations:
+        ranked = tiles if tiles else [(bm, bn) for bm, bn, _t in rank_tiles(
+            om, on, k, space, machine, out_bytes, slack, max_tiles)]
+        for bm, bn in ranked:
+            bk = pick_bk(bm, bn, space)
+            if bk is not None:
+                variants = tile_variants(om, on, bm, bn, bk, space, machine, fixed)
+                if variants:
+                    per_tile.append(variants)
     out = [incumbent] if incumbent is not None else []
     depth = max((len(v) for v in per_tile), default=0)
     for i in range(depth):

@@ -41,7 +41,7 @@ def _yaml_value(v) -> str:
 def bucket_lines(fields: dict) -> list[str]:
     """One YAML list item (a bucket) with its fields in the schema's order."""
     order = ("name", "op", "dtypes", "m", "n", "k", "tile", "cluster", "stages", "persistent",
-             "pingpong")
+             "pingpong", "swap_ab")
     keys = [k for k in order if k in fields] + [k for k in fields if k not in order
                                                 and k != "note"]
     if "note" in fields:
