@@ -55,10 +55,10 @@ class KernelKey:
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
+        call.setdefault("swap_ab", getattr(bucket, "swap_ab", False))
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
                          stages=bucket.stages, persistent=bucket.persistent,
-                         pingpong=getattr(bucket, "pingpong", False),
-                         swap_ab=getattr(bucket, "swap_ab", False), **call)
+                         pingpong=getattr(bucket, "pingpong", False), **call)
 
 
 _lock = threading.Lock()

@@ -117,6 +117,13 @@ def test_detgemm_layout_matches_gemm_rules():
         ua, ub = unit(dy.t()), unit(x)
         assert lay["a_major"] == ("m" if ua == "first" else "k"), (m, k, n)
         assert (lay["b_form"], lay["b_contig"]) == (("kn", ub) if ub else ("nk", "last"))
+        # Swapped buckets: the kernel's A is op(B)^T, its B the caller's A ("nk").
+        for op, a, b in (("fwd", x, w.t()), ("dx", dy, w), ("dw", dy.t(), x)):
+            a2, b2, _ = G.swapped_operands(a, b, "kn")
+            lay = P.detgemm_layout(op, m, k, n, swap_ab=True)
+            assert lay["swap_ab"] is True and lay["b_form"] == "nk"
+            assert lay["a_major"] == ("m" if unit(a2) == "first" else "k"), (op, m, k, n)
+            assert lay["b_contig"] == (unit(b2) or "last"), (op, m, k, n)
 
 
 def test_lt_nosplit_sets_and_restores(fake):

@@ -194,10 +194,13 @@ def pedantic_call(op: str, ped):
     return lambda s: ped.gemm(op, s.a, s.b, s.out)
 
 
-def detgemm_layout(op: str, m: int, k: int, n: int) -> dict:
+def detgemm_layout(op: str, m: int, k: int, n: int, swap_ab: bool = False) -> dict:
     """The operand layout fields of the KernelKey that `detgemm_call(op)` compiles, for
     freshly allocated inputs of a (M, K, N) problem (gemm.py's rules: an operand TMA can
-    read in place keeps its layout; one it cannot is staged K-major, K padded to 8)."""
+    read in place keeps its layout; one it cannot is staged K-major, K padded to 8).
+    `swap_ab`: the bucket swaps operands, so the kernel's A is op(B)^T and its B the A."""
+    if swap_ab:
+        return _swapped_layout(op, m, k, n)
     if op == "fwd":  # mm(x [M,K], w.t() [K,N] strides (1, K))
         a_major = "k"
         b = ("kn", "first") if k % 8 == 0 and n > 1 else ("nk", "last")
@@ -211,3 +214,17 @@ def detgemm_layout(op: str, m: int, k: int, n: int) -> dict:
         raise ValueError(f"unknown op {op!r}")
     return {"a_major": a_major, "b_form": b[0], "b_contig": b[1], "has_bias": False,
             "accumulate": False}
+
+
+def _swapped_layout(op: str, m: int, k: int, n: int) -> dict:
+    if op == "fwd":  # A' = w [N,K]; B' = x [M,K] (staged K-major when K % 8)
+        a_major, b = "k", ("nk", "last")
+    elif op == "dx":  # A' = w.t() [K,N] strides (1, K); B' = dy [M,N]
+        a_major, b = ("m" if k % 8 == 0 and n > 1 else "k"), ("nk", "last")
+    elif op == "dw":  # A' = x.t() [K,M] strides (1, K); B' = dy.t() [N,M] strides (1, N)
+        a_major = "m" if k % 8 == 0 and m > 1 else "k"
+        b = ("nk", "first") if n % 8 == 0 and m > 1 else ("nk", "last")
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return {"a_major": a_major, "b_form": b[0], "b_contig": b[1], "has_bias": False,
+            "accumulate": False, "swap_ab": True}

@@ -20,7 +20,7 @@ def table_keys(problems, dtype_name: str, arch: str, gpu_arch: str) -> list:
         bucket = lookup(p.op, dtype_name, arch, m, n, k)
         key = kcompile.KernelKey.for_bucket(
             bucket, dtype=dtype_name, out_dtype="fp32" if p.op == "dw" else dtype_name,
-            arch=gpu_arch, **detgemm_layout(p.op, p.m, p.k, p.n))
+            arch=gpu_arch, **detgemm_layout(p.op, p.m, p.k, p.n, bucket.swap_ab))
         keys[key] = None
     return list(keys)
 

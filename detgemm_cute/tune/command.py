@@ -128,7 +128,8 @@ def kernel_key(bucket, problem, dtype_name: str, gpu_arch: str):
 
     out = "fp32" if problem.op == "dw" else dtype_name
     return KernelKey.for_bucket(bucket, dtype=dtype_name, out_dtype=out, arch=gpu_arch,
-                                **detgemm_layout(problem.op, problem.m, problem.k, problem.n))
+                                **detgemm_layout(problem.op, problem.m, problem.k, problem.n,
+                                                 getattr(bucket, "swap_ab", False)))
 
 
 def plan_candidates(problems, arch: str, dtype_name: str, sms: int, args, reg):
