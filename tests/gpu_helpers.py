@@ -12,15 +12,17 @@ import pytest
 import torch
 
 DEV = "cuda"
-# The batch-invariance sweep: rows at every M below against M = 8192, on (N, K) pairs that
-# together reach every fwd bucket of each family's table (tests/test_dispatch.py checks
+# The batch-invariance sweep: rows at every M below against M = SWEEP_REF_M, on (N, K) pairs
+# that together reach every fwd bucket of each family's table (tests/test_dispatch.py checks
 # that on the CPU, so a table change that adds a bucket the sweep misses fails in CI).
-SWEEP_M = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512, 1000, 1024,
-           4096]
+SWEEP_REF_M = 12288
+SWEEP_M = [1, 2, 3, 7, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300, 512, 760, 1000,
+           1024, 2024, 3032, 4096, 8192, 10097]
 SWEEP_NK = [(4096, 4096), (768, 3072), (3072, 768), (9216, 1536), (14336, 512), (5120, 512),
             (7168, 512), (1536, 1536), (20480, 512), (10560, 512), (14848, 512), (16896, 512),
             (21120, 512), (25344, 512), (29632, 512), (31680, 512), (33792, 512), (38016, 512),
-            (40960, 512), (1600, 512), (1280, 512)]
+            (40960, 512), (1600, 512), (1280, 512), (2048, 1024), (4096, 1024), (28672, 4096),
+            (1024, 512), (768, 512), (768, 8192), (3584, 8192), (4096, 512)]
 _DEFAULT_FAMILIES = ("sm90,sm80" if torch.cuda.is_available()
                      and torch.cuda.get_device_capability() == (9, 0) else "sm80")
 FAMILIES = [f for f in os.environ.get("DETGEMM_TEST_FAMILIES", _DEFAULT_FAMILIES).split(",")

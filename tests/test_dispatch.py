@@ -115,7 +115,7 @@ def test_explain_reason_and_text():
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
-        "M=5000 in [1025, inf), N any, K=1 in [1, 1024]"
+        "M=5000 in [3549, 6144], N=1 in [1, 3792], K any"
 
 
 def test_explain_with_bounded_n_and_k(tmp_path):
@@ -221,7 +221,8 @@ def test_use_family_validates_and_restores():
 def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
     R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_m1_16_n1_2112", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
-    assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == ["fwd_large_short_k"]
+    assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == [
+        "tuned_fwd_m1525_2524_n1_2048_k1_6144"]
     assert [b.layer for b in ex.same_name] == [0]
     assert "hides:   fwd_decode_m1_16_n1_2112 (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served
@@ -232,9 +233,9 @@ def test_gpu_invariance_sweep_reaches_every_builtin_fwd_bucket(arch):
     """The GPU suite's batch-invariance sweep (tests/gpu_helpers.py) must pass through every
     16-bit forward bucket of each table; checked here so a table change cannot silently skip
     one. (fp32 buckets are exercised by tests/test_gpu_fp32.py.)"""
-    from gpu_helpers import SWEEP_M, SWEEP_NK
+    from gpu_helpers import SWEEP_M, SWEEP_NK, SWEEP_REF_M
 
     seen = {D.lookup("fwd", "bf16", arch, m, n, k).name
-            for m in SWEEP_M + [8192] for n, k in SWEEP_NK}
+            for m in SWEEP_M + [SWEEP_REF_M] for n, k in SWEEP_NK}
     assert seen == {b.name for b in R.load_builtin(arch).buckets
                     if b.op == "fwd" and set(b.dtypes) & set(R.REQUIRED_DTYPES)}

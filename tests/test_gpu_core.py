@@ -14,7 +14,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
                 allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from gpu_helpers import (SWEEP_M, SWEEP_NK, bits, current_family, family,  # noqa: E402,F401
+from gpu_helpers import (SWEEP_M, SWEEP_NK, SWEEP_REF_M, bits, current_family, family,  # noqa: E402,F401
                          poison, same_bits)
 from detgemm_cute import dispatch, registry  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_run_to_run_identical():
 @pytest.mark.parametrize("n,k", NK_LIST)
 def test_batch_invariance_across_all_m(n, k):
     g = torch.Generator(device=DEV).manual_seed(n + k)
-    x, w = rand(8192, k, g=g), rand(n, k, g=g)
+    x, w = rand(SWEEP_REF_M, k, g=g), rand(n, k, g=g)
     full = dg.linear(x, w)
     seen = set()
     for m in M_LIST:
@@ -84,10 +84,11 @@ def test_batch_invariance_across_all_m(n, k):
 
 
 def test_invariance_sweep_reaches_every_fwd_bucket():
-    """The (M, N, K) points above (M = 8192 is the reference) pass through every bucket."""
+    """The (M, N, K) points above (M = SWEEP_REF_M is the reference) pass through every
+    bucket."""
     fam = current_family()
     seen = {dispatch.lookup("fwd", "bf16", fam, m, n, k).name
-            for m in M_LIST + [8192] for n, k in NK_LIST}
+            for m in M_LIST + [SWEEP_REF_M] for n, k in NK_LIST}
     assert seen == {b.name for b in all_buckets()}
 
 

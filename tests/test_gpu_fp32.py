@@ -82,7 +82,7 @@ def test_batch_invariance_every_m():
     g = torch.Generator(device=DEV).manual_seed(3)
     x, w = rand(4096, 1024, g=g), rand(1536, 1024, g=g)
     full = dg.linear(x, w)
-    for m in SWEEP_M:
+    for m in [m for m in SWEEP_M if m <= 4096]:
         poison()
         assert same_bits(dg.linear(x[:m], w), full[:m]), f"rows differ at M={m}"
     chunks = torch.cat([dg.linear(c, w) for c in x.split(777)])

@@ -45,7 +45,8 @@ def test_builtin_buckets_pass_kernel_limits_and_carry_lines():
     text = (R.BUILTIN_DIR / "sm90.yaml").read_text().splitlines()
     for b in R.load_builtin("sm90").buckets:
         assert sm90_limits.check_config(b.tile, b.cluster, b.stages, b.persistent,
-                                        dtypes=b.dtypes) == []
+                                        dtypes=b.dtypes, pingpong=b.pingpong,
+                                        swap_ab=b.swap_ab) == []
         assert text[b.line - 1].strip() == f"- name: {b.name}"
         assert b.layer == 0 and b.source.name == "sm90.yaml"
 
