@@ -233,6 +233,10 @@ def test_suites():
     assert len(pre) == 3 * len(shapes)
     assert suites.prefill_ms_for(0) == (128, 2048)
     assert [p.op for p in suites.suite_problems("prefill-models", ("dw",))][:1] == ["dw"]
+    held = suites.suite_problems("prefill-heldout")
+    assert {p.m for p in held} == set(suites.HELDOUT_MS)
+    assert not {p.m for p in held} & ms                               # M the tuning never saw
+    assert {(p.k, p.n) for p in held} == {(p.k, p.n) for p in pre}    # on the same weights
     with pytest.raises(ValueError):
         suites.suite_problems("nope")
 
