@@ -91,7 +91,7 @@ def test_explain_errors_are_one_line_messages(capsys, argv, words):
 
 
 @pytest.mark.parametrize("op, dims, bucket", [
-    ("dx", ["8192", "4096", "1024"], "tuned_dx_m3549_up_n3329_up_k1_2432"),
+    ("dx", ["8192", "4096", "1024"], "dx_m4097_up_n3329_up"),
     ("dw", ["4096", "8", "16384"], "dw_bias"),
     ("dw", ["4096", "4096", "16384"], "tuned_dw_m3793_4352_n17_4416_k2525_up"),
 ])

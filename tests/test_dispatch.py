@@ -115,7 +115,7 @@ def test_explain_reason_and_text():
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     assert D.explain("fwd", "fp16", "sm90", 5000, 1, 1).reason == \
-        "M=5000 in [3549, 6144], N=1 in [1, 3792], K any"
+        "M=5000 in [3549, 6144], N=1 in [1, 3792], K=1 in [1, 5632]"
 
 
 def test_explain_with_bounded_n_and_k(tmp_path):
@@ -222,7 +222,7 @@ def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
     R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_m1_16_n1_2112", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
     assert ex.bucket.layer == 1 and [b.name for b in ex.shadowed] == [
-        "tuned_fwd_m1525_2524_n1_2048_k1_6144"]
+        "tuned_fwd_m1525_2524_n1_896_k1_6144"]
     assert [b.layer for b in ex.same_name] == [0]
     assert "hides:   fwd_decode_m1_16_n1_2112 (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served
