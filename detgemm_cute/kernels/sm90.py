@@ -215,106 +215,15 @@ class Sm90GemmPersistent(Sm90Base):
             work = sched.get_current_work()
         ab_pipeline.producer_tail(prod)
 
-    @cute.kernel
-    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
-               tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
-               tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
-               mC_in: Optional[cute.Tensor],
-               tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
-               a_smem_layout_staged: cute.ComposedLayout,
-               b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout,
-               sched_params: utils.PersistentTileSchedulerParams):
-        warp_idx, tidx = self._prefetch_descriptors(tma_atom_a, tma_atom_b)
-
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
-            storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
-            epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
-        bm, bn, _ = self.tile_shape_mnk
-        gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // WG)
-        mma_wg = wg_idx - self.producer_warpgroups
-        thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(mma_wg))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
-        part = None
-        if cutlass.const_expr(self.chunked):
-            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
-        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
-
-        if wg_idx < self.producer_warpgroups:
-            cute.arch.setmaxregister_decrease(self.load_registers)
-        if warp_idx == 0:
-            self._produce(sched_params, ab_pipeline, k_tiles, tma_atom_a, tAgA, tAsA, a_mask,
-                          tma_atom_b, tBgB, tBsB, b_mask)
-
-        if wg_idx >= self.producer_warpgroups:
-            cute.arch.setmaxregister_increase(self.mma_registers)
-            mma_tidx = tidx - self.producer_warpgroups * WG
-            store_warp = warp_idx == self.producer_warpgroups * 4
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                   self.ab_stage)
-            c_pipeline, barrier = self._epilogue_sync()
-            while work.is_valid_tile:
-                tile = work.tile_idx
-                read.reset_count()
-                release.reset_count()
-                self._init_acc(acc, tiled_mma.get_slice(mma_tidx), mC_in, *tile)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                if cutlass.const_expr(self.chunked):
-                    read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
-                                                     tCrA, tCrB, k_tiles, None)
-                else:
-                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
-                                                      acc, tCrA, tCrB, k_tiles, None)
-                    ab_pipeline.consumer_release(release)
-                    release.advance()
-
-                if cutlass.const_expr(self.has_bias):
-                    self._add_bias(acc, tiled_mma.get_slice(mma_tidx), mBias, mC_mn,
-                                   tile[0], tile[1])
-                gC = gC_all[(None, None, *tile)]
-                self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
-                               c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
-                               barrier)
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            if store_warp:
-                c_pipeline.producer_tail()
-
-
-class Sm90GemmPingpong(Sm90GemmPersistent):
-    """Warp-specialized, persistent, ping-pong: one producer warpgroup and two consumer
-    warpgroups that take the CTA's tiles in turn, each running a whole tile on its own.
-
-    The producer streams the CTA's tiles t0, t1, t2, ... (static schedule) into the stage
-    ring exactly as in `Sm90GemmPersistent`. Consumer 0 runs t0, t2, t4, ...; consumer 1
-    runs t1, t3, ... and skips the other's stages in the ring. Two named-barrier turns order
-    them: a consumer starts issuing a tile's WGMMAs once the other has issued its last ones,
-    and starts its epilogue once the other's stores have left shared memory (both share the
-    epilogue buffer). So one consumer's epilogue (bias, rounding, stores) runs under the
-    other's mainloop. Each tile is still ascending 16-wide WGMMA steps onto its own fp32
-    accumulators from +0.0 (or C's values, `accumulate`), one rounding: the same chain.
-    """
-
-    pingpong = True
-    mma_registers = 232
-
     @cute.jit
     def _turn_wait(self, consumer, stage: cutlass.Constexpr):
-        """Wait until it is consumer `consumer`'s turn at `stage` (_MMA_TURN or _EPI_TURN)."""
+        """Ping-pong: wait until it is consumer `consumer`'s turn at `stage` (_MMA_TURN or
+        _EPI_TURN)."""
         cute.arch.barrier(barrier_id=stage + consumer, number_of_threads=2 * WG)
 
     @cute.jit
     def _turn_pass(self, consumer, stage: cutlass.Constexpr):
-        """Give consumer `consumer` its turn at `stage`."""
+        """Ping-pong: give consumer `consumer` its turn at `stage`."""
         cute.arch.barrier_arrive(barrier_id=stage + consumer, number_of_threads=2 * WG)
 
     @cute.kernel
@@ -337,10 +246,16 @@ class Sm90GemmPingpong(Sm90GemmPersistent):
         gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
-        thr_mma = tiled_mma.get_slice(0)  # one warpgroup computes the whole tile
+        consumer = wg_idx - self.producer_warpgroups
+        # Cooperative: the consumers split each tile along M; ping-pong: each runs a whole one.
+        tile_wg = 0 if cutlass.const_expr(self.pingpong) else consumer
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(tile_wg))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
+        part = None
+        if cutlass.const_expr(self.chunked):
+            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
         if wg_idx < self.producer_warpgroups:
@@ -351,9 +266,10 @@ class Sm90GemmPingpong(Sm90GemmPersistent):
 
         if wg_idx >= self.producer_warpgroups:
             cute.arch.setmaxregister_increase(self.mma_registers)
-            consumer = wg_idx - self.producer_warpgroups  # 0 or 1
-            mma_tidx = tidx - wg_idx * WG  # thread index inside this consumer warpgroup
-            store_warp = warp_idx % 4 == 0
+            # Thread index among the threads that share a tile, and the warp that stores it.
+            first_wg = wg_idx if cutlass.const_expr(self.pingpong) else self.producer_warpgroups
+            mma_tidx = tidx - first_wg * WG
+            store_warp = warp_idx == first_wg * 4
             thr_mma_thread = tiled_mma.get_slice(mma_tidx)
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -362,42 +278,79 @@ class Sm90GemmPingpong(Sm90GemmPersistent):
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.ab_stage)
             c_pipeline, barrier = self._epilogue_sync()
-            if consumer == 0:
-                # Consumer 0 has the first turn at both stages.
-                self._turn_pass(0, _MMA_TURN)
-                self._turn_pass(0, _EPI_TURN)
-            else:
-                # Consumer 1 starts at the CTA's second tile, past the first tile's stages.
-                read.advance(k_tiles)
-                release.advance(k_tiles)
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
+            if cutlass.const_expr(self.pingpong):
+                if consumer == 0:  # consumer 0 has the first turn at both stages
+                    self._turn_pass(0, _MMA_TURN)
+                    self._turn_pass(0, _EPI_TURN)
+                else:  # consumer 1 starts at the CTA's second tile, past the first's stages
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
             while work.is_valid_tile:
                 tile = work.tile_idx
+                read.reset_count()
+                release.reset_count()
                 self._init_acc(acc, thr_mma_thread, mC_in, *tile)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                self._turn_wait(consumer, _MMA_TURN)
-                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
-                                                  tCrA, tCrB, k_tiles, None, drain=False)
-                self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other may start
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release)
-                release.advance()
+                if cutlass.const_expr(self.chunked):
+                    read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+                                                     tCrA, tCrB, k_tiles, None)
+                else:
+                    if cutlass.const_expr(self.pingpong):
+                        self._turn_wait(consumer, _MMA_TURN)
+                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
+                                                      acc, tCrA, tCrB, k_tiles, None,
+                                                      drain=not self.pingpong)
+                    if cutlass.const_expr(self.pingpong):
+                        self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
+                        cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
 
                 if cutlass.const_expr(self.has_bias):
                     self._add_bias(acc, thr_mma_thread, mBias, mC_mn, tile[0], tile[1])
-                self._turn_wait(consumer, _EPI_TURN)
                 gC = gC_all[(None, None, *tile)]
-                self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
-                               c_pipeline, 0, barrier)
-                if store_warp:
-                    c_pipeline.producer_tail()  # the shared buffer is free again
-                self._turn_pass(1 - consumer, _EPI_TURN)
-                # Skip the other consumer's next tile and its stages.
-                read.advance(k_tiles)
-                release.advance(k_tiles)
-                sched.advance_to_next_work(advance_count=2)
+                if cutlass.const_expr(self.pingpong):
+                    # The consumers share the epilogue buffer: each stores in its turn, from
+                    # buffer 0, and hands over once its stores have left shared memory.
+                    self._turn_wait(consumer, _EPI_TURN)
+                    self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
+                                   c_pipeline, 0, barrier)
+                    if store_warp:
+                        c_pipeline.producer_tail()
+                    self._turn_pass(1 - consumer, _EPI_TURN)
+                    # Skip the other consumer's next tile and its stages.
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                    sched.advance_to_next_work(advance_count=2)
+                else:
+                    self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
+                                   c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
+                                   barrier)
+                    sched.advance_to_next_work()
                 work = sched.get_current_work()
+            if cutlass.const_expr(not self.pingpong):
+                if store_warp:
+                    c_pipeline.producer_tail()
+
+
+class Sm90GemmPingpong(Sm90GemmPersistent):
+    """Warp-specialized, persistent, ping-pong: one producer warpgroup and two consumer
+    warpgroups that take the CTA's tiles in turn, each running a whole tile on its own.
+
+    The producer streams the CTA's tiles t0, t1, t2, ... (static schedule) into the stage
+    ring exactly as in `Sm90GemmPersistent`. Consumer 0 runs t0, t2, t4, ...; consumer 1
+    runs t1, t3, ... and skips the other's stages in the ring. Two named-barrier turns order
+    them: a consumer starts issuing a tile's WGMMAs once the other has issued its last ones,
+    and starts its epilogue once the other's stores have left shared memory (both share the
+    epilogue buffer). So one consumer's epilogue (bias, rounding, stores) runs under the
+    other's mainloop. Each tile is still ascending 16-wide WGMMA steps onto its own fp32
+    accumulators from +0.0 (or C's values, `accumulate`), one rounding: the same chain.
+    The kernel body is `Sm90GemmPersistent.kernel`, with its ping-pong branches.
+    """
+
+    pingpong = True
 
 
 def kernel_class(persistent: bool, pingpong: bool = False):
