@@ -365,7 +365,7 @@ class Sm80Gemm:
 def kernel_class(persistent: bool, pingpong: bool = False):
     """The SM80 family has one kernel: one CTA per output tile."""
     if persistent or pingpong:
-        raise ValueError("the sm80 kernel family has no persistent or ping-pong kernel")
+        raise ValueError("the sm80 kernel family has no persistent kernel (and no ping-pong one)")
     return Sm80Gemm
 
 
