@@ -23,9 +23,25 @@ import torch.multiprocessing as mp
 TOKENS = 16  # tokens per chunk; global batches are lists of chunks
 
 
+class _RankKilled(AssertionError):
+    """A rank died from a signal without a Python error (e.g. gloo's C++ `terminate` when a
+    peer connection drops on a loaded 2-core machine): the run itself never finished."""
+
+
 def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240.0,
               pg_timeout: float = 60.0) -> list:
-    """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results."""
+    """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results.
+
+    A world in which a rank was killed by a signal before it reported anything is started
+    once more from scratch (a new store, new processes); any Python error, hang, missing or
+    wrong result fails at once."""
+    try:
+        return _run_world_once(fn, world, args, backend, timeout, pg_timeout)
+    except _RankKilled:
+        return _run_world_once(fn, world, args, backend, timeout, pg_timeout)
+
+
+def _run_world_once(fn, world, args, backend, timeout, pg_timeout) -> list:
     tmp = tempfile.mkdtemp(prefix="detgemm_dist_")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, rank, world, tmp, args, backend, pg_timeout),
@@ -53,6 +69,8 @@ def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240
         results = []
         for r, p in enumerate(procs):
             path = os.path.join(tmp, f"rank{r}.pt")
+            if p.exitcode is not None and p.exitcode < 0 and not os.path.exists(path):
+                raise _RankKilled(f"rank {r} killed by signal {-p.exitcode} with no result")
             if p.exitcode != 0 or not os.path.exists(path):
                 raise AssertionError(f"rank {r} exited with code {p.exitcode} and no result")
             results.append(torch.load(path, weights_only=False))
