@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from . import registry as _registry
+from . import wave_cost
 from .registry import ArchNotAvailable, Bucket, ConfigError, NoBucketError, Registry
 
 _memo: dict = {}
@@ -122,6 +123,7 @@ class Explanation:
     reason: str
     shadowed: tuple[Bucket, ...]  # lower-precedence buckets that also contain the point
     same_name: tuple[Bucket, ...]  # lower-layer buckets hidden by the chosen bucket's name
+    predicted: tuple = ()  # ((alternative, predicted us), ...) when the bucket has several
 
     @property
     def source(self):
@@ -148,6 +150,10 @@ class Explanation:
         ]
         if b.note:
             lines.append(f"  note:    {b.note}")
+        for alt, us in self.predicted:
+            mark = "<- runs" if alt is b else ""
+            lines.append(f"  option:  {alt.name.rsplit('.', 1)[-1]:44s} predicted "
+                         f"{us:9.1f} us {mark}".rstrip())
         for s in self.shadowed:
             lines.append(f"  shadows: {s.name} ({s.where}, layer {s.layer} = {s.layer_label}) "
                          f"also matches, but layer {b.layer} comes first")
@@ -160,14 +166,17 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _reason(b: Bucket, m: int, n: int, k: int) -> str:
+def _reason(b: Bucket, m: int, n: int, k: int, choices: int = 1) -> str:
     parts = []
     for dim, v, (lo, hi) in (("M", m, b.m), ("N", n, b.n), ("K", k, b.k)):
         if (lo, hi) == (1, None):
             parts.append(f"{dim} any")
         else:
             parts.append(f"{dim}={v} in [{lo}, {'inf)' if hi is None else f'{hi}]'}")
-    return ", ".join(parts)
+    text = ", ".join(parts)
+    if choices > 1:
+        text += f"; the least predicted time of its {choices} alternatives (wave_cost.py)"
+    return text
 
 
 def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, *,
@@ -182,9 +191,12 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, *,
     b = matches[0]
     named = reg.named(b.name)  # highest layer first; b may sit below a same-named bucket
     below = next(i for i, x in enumerate(named) if x is b) + 1
+    alts = reg.alternatives(b)
+    predicted = tuple((a, wave_cost.predict_us(a.cost, a.tile, a.swap_ab, m, n, k, a.sms))
+                      for a in alts) if len(alts) > 1 else ()
     return Explanation(op=op, dtype=dtype, arch=reg.arch, m=m, n=n, k=k, bucket=b,
-                       reason=_reason(b, m, n, k), shadowed=matches[1:],
-                       same_name=named[below:])
+                       reason=_reason(b, m, n, k, len(alts)), shadowed=matches[1:],
+                       same_name=named[below:], predicted=predicted)
 
 
 __all__ = ["lookup", "explain", "Explanation", "dtype_name", "arch_for_capability", "FAMILIES",

@@ -10,6 +10,12 @@ exactly once.
 Layers: layer 0 is the built-in table; user files (``DETGEMM_CUTE_CONFIG``, `add_config`)
 stack on top of it, the last added highest. A lookup takes the first matching bucket from
 the highest layer down.
+
+A bucket may instead list `alternatives`: several kernel configurations for the same box,
+each with measured wave-cost coefficients (`cost`) and the SM count they were measured on
+(`sms`). A lookup then runs the alternative of least predicted time for that exact problem
+(`wave_cost.py`: plain arithmetic on tiles, waves and k-blocks). Each alternative is a
+Bucket of its own, named `<bucket>.<config>`, so every kernel is still one traceable line.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
+
+from . import wave_cost
+from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
@@ -42,8 +51,11 @@ _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
 _DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
              "pingpong": False, "swap_ab": False, "note": ""}
-_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS)
+_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms")
 _DIMS = ("m", "n", "k")
+# Keys of one entry of `alternatives` (the kernel fields of a bucket, plus its cost).
+_KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab")
+_ALT_KEYS = _KERNEL_KEYS + ("cost",)
 
 
 class ConfigError(ValueError):
@@ -84,6 +96,9 @@ class Bucket:
     layer: int  # 0 = built-in, 1.. = user layers in the order added
     pingpong: bool = False  # two consumer warpgroups on alternate tiles (needs persistent)
     swap_ab: bool = False  # compute C^T = op(B)^T A^T: the tile's M runs along the caller's N
+    group: str = ""  # the bucket this is one alternative of ("" = a bucket of its own)
+    cost: tuple = ()  # wave-cost coefficients in us (alternatives only, see wave_cost.py)
+    sms: int = 0  # the SM count the costs were measured on (alternatives only)
 
     def contains(self, m: int, n: int, k: int) -> bool:
         return _in(m, self.m) and _in(n, self.n) and _in(k, self.k)
@@ -127,11 +142,6 @@ def show_path(path) -> str:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError):
         return str(p)
-
-
-def fmt_range(r: tuple[int, int | None]) -> str:
-    lo, hi = r
-    return f"{lo}.." if hi is None else f"{lo}..{hi}"
 
 
 def limits_for(arch: str):
@@ -301,35 +311,22 @@ def _check_field(key, v):
     raise AssertionError(key)
 
 
-def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> Bucket | None:
-    if not isinstance(raw, dict):
-        probs.add(None, f"buckets[{index}] must be a mapping of bucket fields, got {raw!r}")
-        return None
-    name = raw.get("name")
-    label = f"bucket {name!r}" if isinstance(name, str) and name else f"bucket #{index + 1}"
-    line, key_lines = raw.line, raw.key_lines
-    before = len(probs.lines)
-    for key, key_line in raw.repeated:
-        probs.add(key_line, "given more than once in this bucket", label, key)
-    for key in raw:
-        if key not in _BUCKET_KEYS:
-            close = difflib.get_close_matches(str(key), _BUCKET_KEYS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else \
-                f"; allowed: {', '.join(_BUCKET_KEYS)}"
-            probs.add(key_lines.get(key, line), f"unknown key{hint}", label, str(key))
-    for key in _REQUIRED:
-        if key not in raw:
-            probs.add(line, "missing (required)", label, key)
-    values = dict(_DEFAULTS)
-    for key in _BUCKET_KEYS:
-        if key in raw:
-            v, err = _check_field(key, raw[key])
-            if err:
-                probs.add(key_lines.get(key, line), err, label, key)
-            else:
-                values[key] = v
-    if len(probs.lines) != before:
-        return None
+def _alt_label(v: dict) -> str:
+    """128x256x64_c1x2_s4_p_pingpong: an alternative's name inside its bucket."""
+    s = (f"{'x'.join(map(str, v['tile']))}_c{'x'.join(map(str, v['cluster']))}"
+         f"_s{v['stages']}{'_p' if v['persistent'] else ''}")
+    return s + "".join(f"_{key}" for key in ("pingpong", "swap_ab") if v[key])
+
+
+def _cost(v):
+    ok = isinstance(v, list) and len(v) == wave_cost.N_COEFFS and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
+        for x in v)
+    return (tuple(float(x) for x in v), None) if ok else (
+        None, f"cost must be a list of {wave_cost.N_COEFFS} numbers >= 0 (us), got {v!r}")
+
+
+def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
     for field, msg in limits.check_config(values["tile"], values["cluster"], values["stages"],
                                           values["persistent"], dtypes=values["dtypes"],
                                           pingpong=values["pingpong"],
@@ -338,20 +335,98 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> Buck
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "
                   f"swap_ab serves {', '.join(SWAP_OPS)}", label, "swap_ab")
+
+
+def _unknown_keys(raw, allowed, line, label, probs: _Problems):
+    for key in raw:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(allowed)}"
+            probs.add(raw.key_lines.get(key, line), f"unknown key{hint}", label, str(key))
+
+
+def _parse_alternatives(raw, values, path, label, limits, probs: _Problems) -> list:
+    """The Buckets of a bucket with `alternatives` (one per entry), or [] after problems."""
+    line, before = raw.line, len(probs.lines)
+    for key in _KERNEL_KEYS:
+        if key in raw:
+            probs.add(raw.key_lines.get(key, line), "a bucket with alternatives gives its kernel "
+                      "fields in each alternative", label, key)
+    sms = raw.get("sms")
+    if not _is_int(sms) or sms < 1:
+        probs.add(raw.key_lines.get("sms", line), f"sms (the SM count the costs were measured "
+                  f"on) must be an integer >= 1, got {sms!r}", label, "sms")
+    alts = raw["alternatives"]
+    if not isinstance(alts, list) or not alts or not all(isinstance(a, dict) for a in alts):
+        probs.add(raw.key_lines.get("alternatives", line), f"alternatives must be a non-empty "
+                  f"list of mappings with keys {', '.join(_ALT_KEYS)}, got {alts!r}", label,
+                  "alternatives")
+        return []
+    out, labels = [], set()
+    for i, alt in enumerate(alts):
+        where = f"{label} alternative #{i + 1}"
+        mark = len(probs.lines)
+        _unknown_keys(alt, _ALT_KEYS, alt.line, where, probs)
+        v = dict(values)
+        for key in ("tile", "stages", "cost"):
+            if key not in alt:
+                probs.add(alt.line, "missing (required)", where, key)
+        for key in _ALT_KEYS:
+            if key in alt:
+                val, err = _cost(alt[key]) if key == "cost" else _check_field(key, alt[key])
+                if err:
+                    probs.add(alt.key_lines.get(key, alt.line), err, where, key)
+                else:
+                    v[key] = val
+        if len(probs.lines) != mark:
+            continue
+        _check_kernel(v, alt.key_lines, alt.line, where, limits, probs)
+        name = _alt_label(v)
+        if name in labels:
+            probs.add(alt.line, f"the same kernel as another alternative ({name})", where, "tile")
+        labels.add(name)
+        out.append(Bucket(source=path, line=alt.line, layer=0, group=values["name"], sms=sms,
+                          **dict(v, name=f"{values['name']}.{name}")))
+    return out if len(probs.lines) == before else []
+
+
+def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list:
+    """The Buckets one YAML entry declares (one, or one per alternative); [] on problems."""
+    if not isinstance(raw, dict):
+        probs.add(None, f"buckets[{index}] must be a mapping of bucket fields, got {raw!r}")
+        return []
+    name = raw.get("name")
+    label = f"bucket {name!r}" if isinstance(name, str) and name else f"bucket #{index + 1}"
+    line, key_lines = raw.line, raw.key_lines
+    before = len(probs.lines)
+    choice = "alternatives" in raw
+    for key, key_line in raw.repeated:
+        probs.add(key_line, "given more than once in this bucket", label, key)
+    _unknown_keys(raw, _BUCKET_KEYS, line, label, probs)
+    for key in _REQUIRED:
+        if key not in raw and not (choice and key in _KERNEL_KEYS):
+            probs.add(line, "missing (required)", label, key)
+    if "sms" in raw and not choice:
+        probs.add(key_lines["sms"], "sms belongs to a bucket with alternatives", label, "sms")
+    values = dict(_DEFAULTS)
+    for key in _BUCKET_KEYS:
+        if key in raw and key not in ("alternatives", "sms") and not (choice and key in _KERNEL_KEYS):
+            v, err = _check_field(key, raw[key])
+            if err:
+                probs.add(key_lines.get(key, line), err, label, key)
+            else:
+                values[key] = v
+    if len(probs.lines) != before:
+        return []
     if "fp32" in values["dtypes"] and values["op"] not in FP32_OPS:
         probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no fp32 kernel; fp32 "
                   f"buckets serve {', '.join(FP32_OPS)}", label, "dtypes")
+    if choice:
+        return _parse_alternatives(raw, values, path, label, limits, probs)
+    _check_kernel(values, key_lines, line, label, limits, probs)
     if len(probs.lines) != before:
-        return None
-    return Bucket(source=path, line=line, layer=0, **values)
-
-
-def _meet(a, b):
-    """The intersection of two inclusive ranges (hi None = unbounded), or None."""
-    lo = max(a[0], b[0])
-    his = [h for h in (a[1], b[1]) if h is not None]
-    hi = min(his) if his else None
-    return None if hi is not None and hi < lo else (lo, hi)
+        return []
+    return [Bucket(source=path, line=line, layer=0, **values)]
 
 
 def _boxes_meet(a: Bucket, b: Bucket):
@@ -368,7 +443,7 @@ def _check_overlaps(buckets, probs: _Problems):
     for i, b in enumerate(buckets):
         for a in buckets[:i]:
             shared = [d for d in a.dtypes if d in b.dtypes]
-            if a.op != b.op or not shared:
+            if a.op != b.op or not shared or (b.group and a.group == b.group):
                 continue
             box = _boxes_meet(a, b)
             if box is not None:
@@ -376,90 +451,6 @@ def _check_overlaps(buckets, probs: _Problems):
                 probs.add(b.line, f"overlaps bucket {a.name!r} (line {a.line}) for op {b.op} "
                                   f"dtype {'/'.join(shared)} at {_box_text(box)}",
                           f"bucket {b.name!r}", field)
-
-
-# ---------------------------------------------------------------------------------------
-# Coverage: every (M, N, K) >= 1 served by exactly one bucket, computed on the cell grid
-# ---------------------------------------------------------------------------------------
-
-def _cells(buckets, dim):
-    """Split [1, inf) at every bucket boundary: cells no bucket edge crosses."""
-    bounds = {1}
-    for b in buckets:
-        lo, hi = getattr(b, dim)
-        bounds.add(lo)
-        if hi is not None:
-            bounds.add(hi + 1)
-    starts = sorted(bounds)
-    return [(s, e - 1) for s, e in zip(starts, starts[1:])] + [(starts[-1], None)]
-
-
-def _cell_span(r, cells):
-    """Index range (first, last) of the cells inside range r."""
-    lo, hi = r
-    first = next(i for i, c in enumerate(cells) if c[0] == lo)
-    last = len(cells) - 1 if hi is None else next(i for i, c in enumerate(cells) if c[1] == hi)
-    return first, last
-
-
-def _merge(boxes):
-    """Merge index boxes that abut along one dim and agree on the others (K, then N, M)."""
-    for d in (2, 1, 0):
-        groups: dict = {}
-        for box in boxes:
-            groups.setdefault(box[:d] + box[d + 1:], []).append(box)
-        merged = []
-        for group in groups.values():
-            group.sort(key=lambda bx: bx[d][0])
-            cur = group[0]
-            for box in group[1:]:
-                if box[d][0] == cur[d][1] + 1:
-                    cur = cur[:d] + ((cur[d][0], box[d][1]),) + cur[d + 1:]
-                else:
-                    merged.append(cur)
-                    cur = box
-            merged.append(cur)
-        boxes = merged
-    return sorted(boxes)
-
-
-def coverage_gaps(buckets) -> list[tuple]:
-    """Boxes ((lo, hi) per M, N, K) of points no bucket serves; buckets of one op/dtype."""
-    cells = [_cells(buckets, d) for d in _DIMS]
-    nm, nn, nk = (len(c) for c in cells)
-    count = [0] * (nm * nn * nk)
-    for b in buckets:
-        (m0, m1), (n0, n1), (k0, k1) = (_cell_span(getattr(b, d), c) for d, c in zip(_DIMS, cells))
-        for i in range(m0, m1 + 1):
-            for j in range(n0, n1 + 1):
-                base = (i * nn + j) * nk
-                for l in range(k0, k1 + 1):
-                    count[base + l] += 1
-    gaps = [((i, i), (j, j), (l, l)) for i in range(nm) for j in range(nn) for l in range(nk)
-            if count[(i * nn + j) * nk + l] == 0]
-    return [tuple((cells[d][box[d][0]][0], cells[d][box[d][1]][1]) for d in range(3))
-            for box in _merge(gaps)]
-
-
-def _gap_problem(op, dtype, gap, buckets):
-    """(field, text) for one uncovered box, naming the buckets that border it."""
-    dims = [d for d in range(3) if gap[d] != (1, None)] or [0]
-    d = dims[0]
-    others = ", ".join(f"{_DIMS[o].upper()} {fmt_range(gap[o])}" for o in range(3) if o != d)
-    text = (f"op {op} dtype {dtype}: {_DIMS[d].upper()} {fmt_range(gap[d])} ({others}) is "
-            f"covered by no bucket")
-    near = []
-    for b in buckets:
-        for e in dims:
-            lo, hi = getattr(b, _DIMS[e])
-            touches = hi == gap[e][0] - 1 or (gap[e][1] is not None and lo == gap[e][1] + 1)
-            if touches and all(_meet(getattr(b, _DIMS[o]), gap[o]) is not None
-                               for o in range(3) if o != e):
-                near.append(f"bucket {b.name!r} (line {b.line}, {_DIMS[e]} {fmt_range((lo, hi))})")
-                break
-    if near:
-        text += "; next to " + ", ".join(near)
-    return _DIMS[d], text
 
 
 def _check_coverage(buckets, probs: _Problems):
@@ -526,15 +517,16 @@ def load_config(path, *, complete: bool = False, arch: str | None = None,
 
     buckets, names = [], {}
     for i, raw in enumerate(raw_buckets):
-        b = _parse_bucket(raw, i, path, limits, probs)
-        if b is None:
+        parsed = _parse_bucket(raw, i, path, limits, probs)
+        if not parsed:
             continue
-        if b.name in names:
-            probs.add(b.line, f"name already used by the bucket at line {names[b.name]}",
-                      f"bucket {b.name!r}", "name")
+        name = parsed[0].group or parsed[0].name
+        if name in names:
+            probs.add(raw.line, f"name already used by the bucket at line {names[name]}",
+                      f"bucket {name!r}", "name")
             continue
-        names[b.name] = b.line
-        buckets.append(b)
+        names[name] = raw.line
+        buckets.extend(parsed)
     _check_overlaps(buckets, probs)
     if complete and not probs.lines:
         _check_coverage(buckets, probs)
@@ -576,6 +568,10 @@ class Registry:
         self._tables = {(op, dt): tuple(b for f in reversed(self.files) for b in f.buckets
                                         if b.op == op and dt in b.dtypes)
                         for op in OPS for dt in DTYPES}
+        self._groups: dict = {}  # (layer, bucket name) -> its alternatives, in file order
+        for b in self.buckets:
+            if b.group:
+                self._groups.setdefault((b.layer, b.group), []).append(b)
 
     def table(self, op: str, dtype: str) -> tuple[Bucket, ...]:
         """Buckets serving op/dtype in the order lookups consult them (highest layer first)."""
@@ -586,14 +582,27 @@ class Registry:
                 raise ValueError(f"unknown op {op!r}; one of {', '.join(OPS)}") from None
             raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(DTYPES)}") from None
 
+    def alternatives(self, bucket: Bucket) -> tuple[Bucket, ...]:
+        """The alternatives `bucket` is one of (itself alone for a plain bucket)."""
+        return tuple(self._groups.get((bucket.layer, bucket.group), ())) or (bucket,)
+
+    def _resolve(self, b: Bucket, m: int, n: int, k: int) -> Bucket:
+        return wave_cost.choose(self._groups[(b.layer, b.group)], m, n, k) if b.group else b
+
     def matches(self, op: str, dtype: str, m: int, n: int, k: int) -> tuple[Bucket, ...]:
-        """Every bucket containing the point, in precedence order (the first one wins)."""
-        return tuple(b for b in self.table(op, dtype) if b.contains(m, n, k))
+        """Every bucket containing the point, in precedence order (the first one wins); of a
+        bucket with alternatives, the one chosen for this problem."""
+        out, seen = [], set()
+        for b in self.table(op, dtype):
+            if b.contains(m, n, k) and (b.layer, b.group or b.name) not in seen:
+                seen.add((b.layer, b.group or b.name))
+                out.append(self._resolve(b, m, n, k))
+        return tuple(out)
 
     def lookup(self, op: str, dtype: str, m: int, n: int, k: int) -> Bucket:
         for b in self.table(op, dtype):
             if b.contains(m, n, k):
-                return b
+                return self._resolve(b, m, n, k)
         if not self.table(op, dtype) and dtype not in REQUIRED_DTYPES:
             raise NoBucketError(
                 f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on the "

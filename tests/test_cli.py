@@ -91,9 +91,9 @@ def test_explain_errors_are_one_line_messages(capsys, argv, words):
 
 
 @pytest.mark.parametrize("op, dims, bucket", [
-    ("dx", ["8192", "4096", "1024"], "dx_m4097_up_n3329_up"),
+    ("dx", ["8192", "4096", "1024"], "dx_prefill.128x256x64_c1x2_s4_p"),
     ("dw", ["4096", "8", "16384"], "dw_bias"),
-    ("dw", ["4096", "4096", "16384"], "tuned_dw_m3793_4352_n17_4416_k2525_up"),
+    ("dw", ["4096", "4096", "16384"], "dw_prefill.128x128x64_c1x2_s6_p_pingpong"),
 ])
 def test_explain_backward_ops(capsys, op, dims, bucket):
     assert cli.main(["explain", "--op", op, *dims]) == 0

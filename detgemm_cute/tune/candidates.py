@@ -54,7 +54,8 @@ import math
 from dataclasses import dataclass
 
 _STANDARD = ("tile", "cluster", "stages", "persistent")
-_NOT_KERNEL = ("name", "op", "dtypes", "m", "n", "k", "note", "source", "line", "layer")
+_NOT_KERNEL = ("name", "op", "dtypes", "m", "n", "k", "note", "source", "line", "layer",
+               "group", "cost", "sms")
 
 
 @dataclass(frozen=True)

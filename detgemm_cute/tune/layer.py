@@ -23,13 +23,13 @@ def bucket_name(cand: Candidate) -> str:
     return PREFIX + cand.name
 
 
-def _yaml_value(v) -> str:
+def yaml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if v is None:
         return "null"
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_yaml_value(x) for x in v) + "]"
+        return "[" + ", ".join(yaml_value(x) for x in v) + "]"
     if isinstance(v, (int, float)):
         return repr(v)
     text = str(v)
@@ -49,7 +49,7 @@ def bucket_lines(fields: dict) -> list[str]:
     lines = []
     for i, key in enumerate(keys):
         value = fields[key]
-        text = json.dumps(str(value)) if key == "note" else _yaml_value(value)
+        text = json.dumps(str(value)) if key == "note" else yaml_value(value)
         lines.append(f"{'  - ' if i == 0 else '    '}{key}: {text}")
     return lines
 

@@ -1,0 +1,181 @@
+"""Tune records -> one bucket with alternatives, chosen per shape by the wave-cost model.
+
+Boxes (`table.py`) give each region of (M, N, K) one kernel; a tile that fits one M's wave
+count can be far off for an M between the tuned ones. A bucket with alternatives instead
+keeps a few kernels and lets `wave_cost.py` pick one per problem. This module builds one
+from the tune records (plain arithmetic, pure Python):
+
+1. Fit: for every candidate measured on at least `min_points` problems, the coefficients
+   of `wave_cost.predict_us` that minimise the squared relative error over its timings
+   (least squares; a coefficient that comes out below its floor is fixed there and the
+   rest are fitted again). Floors are 0, except c1 (one k-block on one SM): at least the
+   time the tile's MMAs, or the bytes fed to the SM for them, take at the `Machine`'s
+   per-SM rates. Without it a candidate timed only with every SM busy can fit c1 = 0 and
+   be predicted fast where few tiles leave most SMs idle.
+2. Select: start from no alternative; add the candidate that most raises the geomean over
+   the problems of t_best / (the fastest measured time among the alternatives), stop at
+   `max_alternatives` or when no candidate gains `min_gain`. (Selecting on the times the
+   model's own picks reach instead scored lower on left-out token counts.)
+3. `cross_validate`: the same, fitted and selected without one token count (M for fwd and
+   dx, K for dW) at a time and scored on it: an estimate for shapes the tune never saw.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..wave_cost import N_COEFFS, features, predict_us
+
+MISSING_RATIO = 0.5  # t_best / t for a problem none of the alternatives was measured on
+
+
+def _solve(a, b):
+    """x with a x = b (Gaussian elimination, partial pivoting); None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_cost(samples, floor=(0.0,) * N_COEFFS) -> tuple | None:
+    """Coefficients c >= floor minimising sum(((f . c) - t) / t)^2 over (features, t)."""
+    free = list(range(N_COEFFS))
+    while free:
+        a = [[0.0] * len(free) for _ in free]
+        b = [0.0] * len(free)
+        for f, t in samples:
+            x = [f[j] / t for j in free]
+            rest = 1.0 - sum(f[j] * floor[j] for j in range(N_COEFFS) if j not in free) / t
+            for i in range(len(free)):
+                b[i] += x[i] * rest
+                for j in range(len(free)):
+                    a[i][j] += x[i] * x[j]
+        for i in range(len(free)):
+            a[i][i] += 1e-9 * (a[i][i] + 1.0)  # keeps collinear features solvable
+        sol = _solve(a, b)
+        if sol is None:
+            return None
+        below = [v - floor[j] for j, v in zip(free, sol)]
+        if min(below) >= 0:
+            out = list(floor)
+            for j, v in zip(free, sol):
+                out[j] = v
+            return tuple(out)
+        free.pop(below.index(min(below)))
+    return tuple(floor)
+
+
+def kblock_floor_us(tile, machine=None) -> float:
+    """One k-block of a (BM, BN, BK) tile on one SM at the machine's MMA and feed rates."""
+    from .candidates import Machine
+
+    m = machine or Machine()
+    bm, bn, bk = tile
+    return max(2 * bm * bn * bk / m.mma_flops_per_us_sm, 2 * (bm + bn) * bk / m.feed_bytes_per_us_sm)
+
+
+def _kernel(fields: dict) -> tuple:
+    return tuple(fields["tile"]), bool(fields.get("swap_ab", False))
+
+
+def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
+    """{candidate: cost} for every candidate measured on >= min_points of `points`."""
+    samples: dict = {}
+    for p in points:
+        for name, t in p.times.items():
+            tile, swap = _kernel(fields[name])
+            samples.setdefault(name, []).append((features(tile, swap, p.m, p.n, p.k, sms), t))
+    out = {}
+    for name, s in samples.items():
+        if len(s) >= min_points:
+            cost = fit_cost(s, (0.0, kblock_floor_us(fields[name]["tile"]), 0.0, 0.0))
+            if cost is not None:
+                out[name] = cost
+    return out
+
+
+def pick(point, names, costs: dict, fields: dict, sms: int):
+    """The name among `names` measured on `point` that the model predicts fastest, or None."""
+    best, best_t = None, math.inf
+    for name in names:
+        if name in point.times:
+            tile, swap = _kernel(fields[name])
+            t = predict_us(costs[name], tile, swap, point.m, point.n, point.k, sms)
+            if t < best_t:
+                best, best_t = name, t
+    return best
+
+
+def score(points, names, costs, fields, sms) -> float:
+    """Geomean of t_best / t(the model's pick among `names`) over `points`."""
+    logs = 0.0
+    for p in points:
+        c = pick(p, names, costs, fields, sms)
+        logs += math.log(p.best / p.times[c] if c else MISSING_RATIO)
+    return math.exp(logs / len(points))
+
+
+def reach(points, names) -> float:
+    """Geomean of t_best / (the fastest of `names` measured) over `points`."""
+    logs = 0.0
+    for p in points:
+        ts = [p.times[c] for c in names if c in p.times]
+        logs += math.log(p.best / min(ts) if ts else MISSING_RATIO)
+    return math.exp(logs / len(points))
+
+
+def select(points, costs: dict, max_alternatives: int = 12, min_gain: float = 0.001) -> list[str]:
+    """Greedy forward selection of the alternatives (step 2 of the module docstring)."""
+    chosen, current = [], 0.0
+    pool = sorted(costs)
+    while len(chosen) < max_alternatives:
+        gains = [(reach(points, chosen + [c]), c) for c in pool if c not in chosen]
+        if not gains:
+            break
+        best, name = max(gains)
+        if chosen and best < current * (1 + min_gain):
+            break
+        chosen.append(name)
+        current = best
+    return chosen
+
+
+def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternatives: int = 12,
+                   min_points: int = 8) -> list[tuple]:
+    """[(point, chosen name or None)] with each token count left out of fitting and
+    selection in turn; `token_dim` is "m" (fwd, dx) or "k" (dW)."""
+    out = []
+    for hold in sorted({getattr(p, token_dim) for p in points}):
+        train = [p for p in points if getattr(p, token_dim) != hold]
+        costs = fit_all(train, fields, sms, min_points)
+        names = select(train, costs, max_alternatives)
+        out += [(p, pick(p, names, costs, fields, sms))
+                for p in points if getattr(p, token_dim) == hold]
+    return out
+
+
+def bucket_yaml(name: str, op: str, dtypes, ranges, sms: int, names, costs: dict,
+                fields: dict, note: str = "") -> list[str]:
+    """YAML lines of one bucket with alternatives (the registry's schema)."""
+    from .layer import yaml_value, bucket_lines
+
+    lines = bucket_lines({"name": name, "op": op, "dtypes": list(dtypes),
+                          "m": list(ranges[0]), "n": list(ranges[1]), "k": list(ranges[2]),
+                          "sms": sms, "note": note})
+    lines.append("    alternatives:")
+    for c in names:
+        f = dict(fields[c], cost=[float(f"{x:.4g}") for x in costs[c]])
+        lines.append("      - {" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in f.items()) + "}")
+    return lines
+
+
+__all__ = ["fit_cost", "fit_all", "pick", "score", "reach", "select", "cross_validate",
+           "bucket_yaml", "MISSING_RATIO"]

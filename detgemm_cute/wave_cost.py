@@ -1,0 +1,53 @@
+"""Per-shape choice among a bucket's alternatives: a measured wave-cost model.
+
+A bucket may list several kernel configurations (`alternatives` in the YAML). For a problem
+(M, N, K) each alternative gets a predicted time from plain arithmetic, and the fastest
+prediction runs (DeepGEMM's wave arithmetic, with coefficients measured by `detgemm-cute
+tune` instead of guessed). The tile never changes bits, so the choice only changes speed.
+
+For an alternative with tile (BM, BN, BK) on a GPU of S SMs (the `sms` the table was
+measured on), the tile's rows running along M (or along N when it swaps operands):
+    tiles  = ceil(M / BM) * ceil(N / BN)
+    waves  = ceil(tiles / S)            rounds of tiles the SMs run one after another
+    active = min(tiles, S)              SMs busy in a full wave
+    work   = waves * ceil(K / BK)       k-blocks one SM runs in sequence
+    predicted us = c0 + c1 * work + c2 * work * active / S + c3 * waves
+c0: launch and fill; c1: one k-block on an SM with the memory system to itself; c2: what
+sharing L2 and DRAM with `active` SMs adds to it; c3: a tile's prologue and epilogue. The
+coefficients (`cost: [c0, c1, c2, c3]`, microseconds, all >= 0) are fitted per alternative
+to its timings (`detgemm_cute.tune.choice`).
+"""
+
+from __future__ import annotations
+
+N_COEFFS = 4
+
+
+def features(tile, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
+    """(1, work, work * active / S, waves) of one alternative on one problem."""
+    bm, bn, bk = tile
+    if swap_ab:
+        m, n = n, m
+    tiles = -(-m // bm) * -(-n // bn)
+    waves = -(-tiles // sms)
+    work = waves * -(-k // bk)
+    return (1.0, float(work), work * min(tiles, sms) / sms, float(waves))
+
+
+def predict_us(cost, tile, swap_ab: bool, m: int, n: int, k: int, sms: int) -> float:
+    """The predicted time in microseconds of one alternative (see the module docstring)."""
+    return sum(c * f for c, f in zip(cost, features(tile, swap_ab, m, n, k, sms)))
+
+
+def choose(alternatives, m: int, n: int, k: int):
+    """The alternative (a registry Bucket with `cost` and `sms`) of least predicted time;
+    ties go to the earlier one in the file."""
+    best, best_t = None, None
+    for b in alternatives:
+        t = predict_us(b.cost, b.tile, b.swap_ab, m, n, k, b.sms)
+        if best_t is None or t < best_t:
+            best, best_t = b, t
+    return best
+
+
+__all__ = ["N_COEFFS", "features", "predict_us", "choose"]
