@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--only-candidate", action="append", default=[], metavar="TEXT",
                    help="time only candidates whose name contains TEXT, e.g. pingpong-true "
                         "(repeatable: any of them; the table's own bucket is always timed)")
+    c.add_argument("--alternatives", action="store_true",
+                   help="where the table's bucket has alternatives, time every one of them "
+                        "too (the data `detgemm_cute.tune.choice` fits their costs to)")
     r = p.add_argument_group("run")
     r.add_argument("--jobs", type=int, default=None,
                    help="compile processes (default: CPU cores - 2; 1 = compile in-process)")
@@ -151,14 +154,19 @@ def plan_candidates(problems, arch: str, dtype_name: str, sms: int, args, reg):
     plan = {}
     for p in problems:
         m, n, k = p.gemm_mnk
-        inc = Candidate.from_bucket(reg.lookup(p.op, dtype_name, m, n, k))
+        bucket = reg.lookup(p.op, dtype_name, m, n, k)
+        inc = Candidate.from_bucket(bucket)
         cands = candidates_for(m, n, k, space, machine, out_bytes=4 if p.op == "dw" else 2,
                                max_candidates=args.max_candidates, max_tiles=args.max_tiles,
                                incumbent=inc, tiles=tiles)
-        plan[p] = cands[:1] + [c for c in cands[1:]
-                               if not any(t in c.name for t in args.skip_candidate)
-                               and (not args.only_candidate
-                                    or any(t in c.name for t in args.only_candidate))]
+        keep = cands[:1] + [c for c in cands[1:]
+                            if not any(t in c.name for t in args.skip_candidate)
+                            and (not args.only_candidate
+                                 or any(t in c.name for t in args.only_candidate))]
+        if getattr(args, "alternatives", False):
+            keep += [c for c in map(Candidate.from_bucket, reg.alternatives(bucket))
+                     if c not in keep]
+        plan[p] = keep
     return plan
 
 
