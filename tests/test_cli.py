@@ -91,13 +91,16 @@ def test_explain_errors_are_one_line_messages(capsys, argv, words):
 
 
 @pytest.mark.parametrize("op, dims, bucket", [
-    ("dx", ["8192", "4096", "1024"], "dx_prefill.128x256x64_c1x2_s4_p"),
-    ("dw", ["4096", "8", "16384"], "dw_bias"),
-    ("dw", ["4096", "4096", "16384"], "dw_prefill.128x128x64_c1x2_s6_p_pingpong"),
+    ("dx", ["8192", "4096", "1024"], "dx_prefill."),
+    ("dw", ["4096", "8", "16384"], "dw_bias "),
+    ("dw", ["4096", "4096", "16384"], "dw_prefill."),
 ])
 def test_explain_backward_ops(capsys, op, dims, bucket):
     assert cli.main(["explain", "--op", op, *dims]) == 0
-    assert f"bucket:  {bucket} " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"bucket:  {bucket}" in out
+    if bucket.endswith("."):  # a bucket with alternatives: each listed, the one that runs marked
+        assert out.count("  option:  ") > 1 and out.count("<- runs") == 1
 
 
 def test_usage_errors_return_2(capsys):

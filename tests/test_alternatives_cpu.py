@@ -1,0 +1,122 @@
+"""Buckets with alternatives: YAML schema, per-shape choice, explain, and the cost fitter."""
+
+import math
+import random
+
+import pytest
+
+from detgemm_cute import dispatch as D
+from detgemm_cute import registry as R
+from detgemm_cute import wave_cost
+from detgemm_cute.tune import choice
+from detgemm_cute.tune.table import Point
+
+ALT_A = "{tile: [128, 256, 64], cluster: [1, 2], stages: 4, persistent: true, cost: [2.0, 0.6, 0.1, 1.0]}"
+ALT_B = "{tile: [64, 64, 128], stages: 6, persistent: true, swap_ab: true, cost: [1.0, 0.15, 0.2, 0.5]}"
+
+
+def _layer(tmp_path, alts=(ALT_A, ALT_B), head="    sms: 132\n", name="u.yaml"):
+    p = tmp_path / name
+    p.write_text("arch: sm90\nbuckets:\n  - name: mine\n    op: fwd\n    dtypes: [bf16]\n"
+                 "    m: [100000, null]\n" + head + "    alternatives:\n" +
+                 "".join(f"      - {a}\n" for a in alts))
+    return p
+
+
+def test_choice_follows_the_wave_arithmetic(tmp_path):
+    R.add_config(_layer(tmp_path))
+    names = {}
+    for m, n, k in ((100000, 16384, 8192), (100000, 64, 64), (250000, 8192, 256)):
+        b = D.lookup("fwd", "bf16", "sm90", m, n, k)
+        alts = R.get_registry("sm90").alternatives(b)
+        want = min(alts, key=lambda a: wave_cost.predict_us(a.cost, a.tile, a.swap_ab, m, n, k, 132))
+        assert b is want and b.group == "mine" and b.layer == 1
+        names[(m, n, k)] = b.name
+    assert set(names.values()) == {"mine.128x256x64_c1x2_s4_p", "mine.64x64x128_c1x1_s6_p_swap_ab"}
+    ex = D.explain("fwd", "bf16", "sm90", 100000, 64, 64)
+    assert "least predicted time of its 2 alternatives" in ex.reason
+    assert str(ex).count("option:") == 2 and str(ex).count("<- runs") == 1
+    assert D.bucket_by_name("sm90", "mine.128x256x64_c1x2_s4_p").cost == (2.0, 0.6, 0.1, 1.0)
+
+
+def test_features_by_hand():
+    # 1000 x 5120 on 128x256 tiles: 8 * 20 = 160 tiles, 2 waves of 132, K 4096 / 64 = 64 blocks
+    assert wave_cost.features((128, 256, 64), False, 1000, 5120, 4096, 132) == (1.0, 128.0, 128.0, 2.0)
+    # swapped: the tile's rows run along N
+    f = wave_cost.features((128, 64, 64), True, 100, 1024, 640, 132)
+    assert f == (1.0, 10.0, 10.0 * 16 / 132, 1.0)  # ceil(1024/128) * ceil(100/64) = 16 tiles
+
+
+@pytest.mark.parametrize("head, alts, words", [
+    ("", (ALT_A,), "sms (the SM count"),
+    ("    sms: 132\n    tile: [64, 64, 64]\n", (ALT_A,), "gives its kernel fields in each"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2]}",), "cost must be a list of 4"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2, -3, 4]}",), "numbers >= 0"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4}",), "'cost': missing"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cots: [1, 1, 1, 1]}",), "did you mean 'cost'"),
+    ("    sms: 132\n", ("{tile: [128, 250, 64], stages: 4, cost: [1, 1, 1, 1]}",), "tile"),
+    ("    sms: 132\n", (ALT_A, ALT_A), "the same kernel as another alternative"),
+])
+def test_bad_alternatives_are_reported_with_line_and_field(tmp_path, head, alts, words):
+    with pytest.raises(R.ConfigError) as e:
+        R.load_config(_layer(tmp_path, alts, head))
+    assert words in str(e.value) and "u.yaml:" in str(e.value)
+
+
+def test_builtin_alternatives_are_complete_and_distinct():
+    reg = R.get_registry("sm90")
+    groups = {}
+    for b in reg.buckets:
+        if b.group:
+            groups.setdefault(b.group, []).append(b)
+    assert set(groups) >= {"fwd_prefill", "dx_prefill", "dw_prefill"}
+    for name, alts in groups.items():
+        assert len(alts) >= 2 and len({(a.tile, a.cluster, a.stages, a.persistent, a.pingpong,
+                                        a.swap_ab) for a in alts}) == len(alts)
+        assert all(a.sms == 132 and len(a.cost) == 4 and min(a.cost) >= 0 for a in alts)
+        assert len({(a.m, a.n, a.k, a.dtypes, a.op) for a in alts}) == 1
+
+
+def test_fit_recovers_coefficients_and_keeps_floors():
+    rnd = random.Random(0)
+    true = (3.0, 0.5, 0.25, 1.5)
+    samples = []
+    for _ in range(60):
+        # small and large grids alike, so `active` (min(tiles, SMs)) varies
+        f = wave_cost.features((128, 128, 64), False, rnd.randint(100, 3000),
+                               rnd.randint(100, 8000), rnd.randint(64, 16384), 132)
+        samples.append((f, sum(c * x for c, x in zip(true, f))))
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(choice.fit_cost(samples), true))
+    floor = (0.0, 0.9, 0.0, 0.0)
+    got = choice.fit_cost(samples, floor)
+    assert got[1] == pytest.approx(0.9) and min(g - f for g, f in zip(got, floor)) >= 0
+
+
+def test_select_and_cross_validate_pick_the_faster_kernel():
+    fields = {"big": {"tile": [128, 256, 64]}, "small": {"tile": [64, 64, 128]}}
+    pts = []
+    for m in (128, 256, 1024, 4096, 16384):
+        for n, k in ((1024, 4096), (8192, 8192), (4096, 1024)):
+            t = {c: wave_cost.predict_us(cost, tuple(fields[c]["tile"]), False, m, n, k, 132)
+                 for c, cost in (("big", (2, 0.8, 0.2, 1)), ("small", (1, 0.2, 0.1, 0.3)))}
+            pts.append(Point(m, n, k, t, {"cublaslt": min(t.values())}))
+    costs = choice.fit_all(pts, fields, 132, min_points=5)
+    names = choice.select(pts, costs)
+    assert set(names) <= {"big", "small"} and choice.reach(pts, names) == pytest.approx(1.0)
+    res = choice.cross_validate(pts, fields, 132, "m", min_points=5)
+    assert len(res) == len(pts)
+    assert all(c is not None and p.times[c] == pytest.approx(p.best, rel=1e-6) for p, c in res)
+    text = "\n".join(choice.bucket_yaml("x", "fwd", ["bf16"], ((129, None), (1, None), (1, None)),
+                                        132, names, costs, fields))
+    assert "alternatives:" in text and "sms: 132" in text and "cost: [" in text
+
+
+def test_tune_alternatives_times_every_alternative(capsys):
+    from detgemm_cute.tune import command
+
+    rc = command.main(["--shapes", "4096x4096x4096", "--ops", "fwd", "--max-candidates", "1",
+                       "--alternatives", "--dry-run"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    alts = [b for b in R.get_registry("sm90").buckets if b.group == "fwd_prefill"]
+    assert f"+{len(alts) - 1}:" in out
