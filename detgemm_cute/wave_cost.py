@@ -5,11 +5,13 @@ A bucket may list several kernel configurations (`alternatives` in the YAML). Fo
 prediction runs (DeepGEMM's wave arithmetic, with coefficients measured by `detgemm-cute
 tune` instead of guessed). The tile never changes bits, so the choice only changes speed.
 
-For an alternative with tile (BM, BN, BK) on a GPU of S SMs (the `sms` the table was
-measured on), the tile's rows running along M (or along N when it swaps operands):
-    tiles  = ceil(M / BM) * ceil(N / BN)
-    waves  = ceil(tiles / S)            rounds of tiles the SMs run one after another
-    active = min(tiles, S)              SMs busy in a full wave
+For an alternative with tile (BM, BN, BK) and cluster (CM, CN) on a GPU of S SMs (the `sms`
+the table was measured on), the tile's rows running along M (or along N when it swaps
+operands). The unit the GPU schedules is a cluster of CM x CN tiles:
+    units  = ceil(ceil(M / BM) / CM) * ceil(ceil(N / BN) / CN)
+    slots  = S // (CM * CN)             clusters that run at once
+    waves  = ceil(units / slots)        rounds of clusters the SMs run one after another
+    active = min(units, slots) * CM * CN  SMs busy in a full wave
     work   = waves * ceil(K / BK)       k-blocks one SM runs in sequence
     predicted us = c0 + c1 * work + c2 * work * active / S + c3 * waves
 c0: launch and fill; c1: one k-block on an SM with the memory system to itself; c2: what
@@ -23,20 +25,22 @@ from __future__ import annotations
 N_COEFFS = 4
 
 
-def features(tile, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
+def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
     """(1, work, work * active / S, waves) of one alternative on one problem."""
     bm, bn, bk = tile
+    cm, cn = cluster
     if swap_ab:
         m, n = n, m
-    tiles = -(-m // bm) * -(-n // bn)
-    waves = -(-tiles // sms)
+    units = -(-(-(-m // bm)) // cm) * -(-(-(-n // bn)) // cn)
+    slots = max(1, sms // (cm * cn))
+    waves = -(-units // slots)
     work = waves * -(-k // bk)
-    return (1.0, float(work), work * min(tiles, sms) / sms, float(waves))
+    return (1.0, float(work), work * min(units, slots) * cm * cn / sms, float(waves))
 
 
-def predict_us(cost, tile, swap_ab: bool, m: int, n: int, k: int, sms: int) -> float:
+def predict_us(cost, tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> float:
     """The predicted time in microseconds of one alternative (see the module docstring)."""
-    return sum(c * f for c, f in zip(cost, features(tile, swap_ab, m, n, k, sms)))
+    return sum(c * f for c, f in zip(cost, features(tile, cluster, swap_ab, m, n, k, sms)))
 
 
 def choose(alternatives, m: int, n: int, k: int):
@@ -44,7 +48,7 @@ def choose(alternatives, m: int, n: int, k: int):
     ties go to the earlier one in the file."""
     best, best_t = None, None
     for b in alternatives:
-        t = predict_us(b.cost, b.tile, b.swap_ab, m, n, k, b.sms)
+        t = predict_us(b.cost, b.tile, b.cluster, b.swap_ab, m, n, k, b.sms)
         if best_t is None or t < best_t:
             best, best_t = b, t
     return best

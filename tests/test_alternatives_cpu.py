@@ -29,7 +29,8 @@ def test_choice_follows_the_wave_arithmetic(tmp_path):
     for m, n, k in ((100000, 16384, 8192), (100000, 64, 64), (250000, 8192, 256)):
         b = D.lookup("fwd", "bf16", "sm90", m, n, k)
         alts = R.get_registry("sm90").alternatives(b)
-        want = min(alts, key=lambda a: wave_cost.predict_us(a.cost, a.tile, a.swap_ab, m, n, k, 132))
+        want = min(alts, key=lambda a: wave_cost.predict_us(a.cost, a.tile, a.cluster, a.swap_ab,
+                                                             m, n, k, 132))
         assert b is want and b.group == "mine" and b.layer == 1
         names[(m, n, k)] = b.name
     assert set(names.values()) == {"mine.128x256x64_c1x2_s4_p", "mine.64x64x128_c1x1_s6_p_swap_ab"}
@@ -41,10 +42,16 @@ def test_choice_follows_the_wave_arithmetic(tmp_path):
 
 def test_features_by_hand():
     # 1000 x 5120 on 128x256 tiles: 8 * 20 = 160 tiles, 2 waves of 132, K 4096 / 64 = 64 blocks
-    assert wave_cost.features((128, 256, 64), False, 1000, 5120, 4096, 132) == (1.0, 128.0, 128.0, 2.0)
+    f = wave_cost.features((128, 256, 64), (1, 1), False, 1000, 5120, 4096, 132)
+    assert f == (1.0, 128.0, 128.0, 2.0)
     # swapped: the tile's rows run along N
-    f = wave_cost.features((128, 64, 64), True, 100, 1024, 640, 132)
+    f = wave_cost.features((128, 64, 64), (1, 1), True, 100, 1024, 640, 132)
     assert f == (1.0, 10.0, 10.0 * 16 / 132, 1.0)  # ceil(1024/128) * ceil(100/64) = 16 tiles
+    # clusters are the unit: 896 x 8192 on 128x224, 1x2 -> 7 x ceil(37 / 2) = 133 clusters,
+    # 66 at a time: 3 waves (259 single tiles would take 2)
+    f = wave_cost.features((128, 224, 64), (1, 2), False, 896, 8192, 640, 132)
+    assert f == (1.0, 30.0, 30.0 * 132 / 132, 3.0)
+    assert wave_cost.features((128, 224, 64), (1, 1), False, 896, 8192, 640, 132)[3] == 2.0
 
 
 @pytest.mark.parametrize("head, alts, words", [
@@ -83,7 +90,7 @@ def test_fit_recovers_coefficients_and_keeps_floors():
     samples = []
     for _ in range(60):
         # small and large grids alike, so `active` (min(tiles, SMs)) varies
-        f = wave_cost.features((128, 128, 64), False, rnd.randint(100, 3000),
+        f = wave_cost.features((128, 128, 64), (1, 1), False, rnd.randint(100, 3000),
                                rnd.randint(100, 8000), rnd.randint(64, 16384), 132)
         samples.append((f, sum(c * x for c, x in zip(true, f))))
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(choice.fit_cost(samples), true))
@@ -97,7 +104,8 @@ def test_select_and_cross_validate_pick_the_faster_kernel():
     pts = []
     for m in (128, 256, 1024, 4096, 16384):
         for n, k in ((1024, 4096), (8192, 8192), (4096, 1024)):
-            t = {c: wave_cost.predict_us(cost, tuple(fields[c]["tile"]), False, m, n, k, 132)
+            t = {c: wave_cost.predict_us(cost, tuple(fields[c]["tile"]), (1, 1), False, m, n, k,
+                                         132)
                  for c, cost in (("big", (2, 0.8, 0.2, 1)), ("small", (1, 0.2, 0.1, 0.3)))}
             pts.append(Point(m, n, k, t, {"cublaslt": min(t.values())}))
     costs = choice.fit_all(pts, fields, 132, min_points=5)

@@ -83,7 +83,8 @@ def kblock_floor_us(tile, machine=None) -> float:
 
 
 def _kernel(fields: dict) -> tuple:
-    return tuple(fields["tile"]), bool(fields.get("swap_ab", False))
+    return (tuple(fields["tile"]), tuple(fields.get("cluster", (1, 1))),
+            bool(fields.get("swap_ab", False)))
 
 
 def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
@@ -91,8 +92,8 @@ def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
     samples: dict = {}
     for p in points:
         for name, t in p.times.items():
-            tile, swap = _kernel(fields[name])
-            samples.setdefault(name, []).append((features(tile, swap, p.m, p.n, p.k, sms), t))
+            samples.setdefault(name, []).append((features(*_kernel(fields[name]), p.m, p.n,
+                                                          p.k, sms), t))
     out = {}
     for name, s in samples.items():
         if len(s) >= min_points:
@@ -107,8 +108,7 @@ def pick(point, names, costs: dict, fields: dict, sms: int):
     best, best_t = None, math.inf
     for name in names:
         if name in point.times:
-            tile, swap = _kernel(fields[name])
-            t = predict_us(costs[name], tile, swap, point.m, point.n, point.k, sms)
+            t = predict_us(costs[name], *_kernel(fields[name]), point.m, point.n, point.k, sms)
             if t < best_t:
                 best, best_t = name, t
     return best
