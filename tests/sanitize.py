@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="fwd,dx,dw")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--quick", action="store_true", help="3 shapes per bucket instead of 6")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="only buckets whose name contains TEXT (repeatable: any of them), "
+                         "e.g. pingpong or swap_ab")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sanitize: needs a CUDA GPU (SM90)")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
     counter = _count_launches()
     ops = args.ops.split(",")
     failures = []
-    buckets = [b for b in registry.get_registry("sm90").buckets if b.op in ops]
+    buckets = [b for b in registry.get_registry("sm90").buckets if b.op in ops
+               and (not args.only or any(t in b.name for t in args.only))]
     for b in buckets:
         for dt in args.dtypes.split(","):
             if dt in b.dtypes:
