@@ -108,6 +108,12 @@ def cmd_tune(args, out) -> int:
     return run(args, out)
 
 
+def cmd_tune_fit(args, out) -> int:
+    from .tune.fit_command import run
+
+    return run(args, out)
+
+
 def cmd_verify(args, out) -> int:
     import torch
 
@@ -199,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
                                     "table (a YAML layer)")
     tune_arguments(t)
     t.set_defaults(func=cmd_tune)
+
+    from .tune.fit_command import add_arguments as fit_arguments
+
+    f = sub.add_parser("tune-fit", help="turn tune records into buckets with alternatives "
+                                        "(per-shape choice by a fitted cost model; no GPU)")
+    fit_arguments(f)
+    f.set_defaults(func=cmd_tune_fit)
 
     d = sub.add_parser("demo", help="show determinism and batch invariance on this GPU")
     d.add_argument("--quick", action="store_true")

@@ -128,3 +128,39 @@ def test_tune_alternatives_times_every_alternative(capsys):
     out = capsys.readouterr().out
     alts = [b for b in R.get_registry("sm90").buckets if b.group == "fwd_prefill"]
     assert f"+{len(alts) - 1}:" in out
+
+
+def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
+    """Synthetic tune records (two kernels whose times follow known costs) -> tune-fit ->
+    a layer the registry loads, whose lookups pick the faster kernel."""
+    import gzip
+    import json
+
+    from detgemm_cute import cli
+
+    true = {"128x256x64_c1x1_s4_p": ((128, 256, 64), (2, 0.8, 0.2, 1)),
+            "64x64x128_c1x1_s6_p": ((64, 64, 128), (1, 0.2, 0.1, 0.3))}
+    recs = []
+    for m in (256, 512, 1024, 4096, 16384):
+        for n, k in ((1024, 4096), (8192, 8192), (4096, 1024)):
+            t = {c: wave_cost.predict_us(cost, tile, (1, 1), False, m, n, k, 132)
+                 for c, (tile, cost) in true.items()}
+            recs.append({"op": "fwd", "gemm": [m, n, k], "cands": t, "device": "GPU X",
+                         "peers": {"cublaslt": min(t.values())},
+                         "fields": {c: {"tile": list(tile), "stages": 4 if tile[0] == 128 else 6,
+                                        "persistent": True} for c, (tile, _) in true.items()}})
+    src = tmp_path / "t.json.gz"
+    with gzip.open(src, "wt") as f:
+        json.dump({"records": recs}, f)
+    out = tmp_path / "fit.yaml"
+    assert cli.main(["tune-fit", str(src), "--ops", "fwd", "--m-min", "200", "--min-points", "5",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fwd: tune-fit on GPU X: 2 alternatives" in text and "left out" in text
+    R.add_config(out)
+    for m, n, k in ((300, 64, 64), (20000, 20000, 8192)):
+        b = D.lookup("fwd", "bf16", "sm90", m, n, k)
+        want = min(true, key=lambda c: wave_cost.predict_us(true[c][1], true[c][0], (1, 1),
+                                                             False, m, n, k, 132))
+        assert b.group == "fwd_alternatives" and b.tile == true[want][0]
+    assert cli.main(["tune-fit", str(tmp_path / "none.json"), "--out", str(out)]) == 2

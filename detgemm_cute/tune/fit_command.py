@@ -1,0 +1,142 @@
+"""`detgemm-cute tune-fit`: tune records -> a layer of buckets with alternatives (no GPU).
+
+    detgemm-cute tune --preset prefill-models --ops fwd,dx,dw --json tune.json
+    detgemm-cute tune-fit tune.json --ops fwd,dx --m-min 129 --out prefill.yaml
+    detgemm-cute tune --preset prefill-models --ops fwd,dx --alternatives \\
+        --max-candidates 1 --json alts.json                  (with prefill.yaml as a layer)
+    detgemm-cute tune-fit tune.json alts.json --ops fwd,dx --m-min 129 --keep prefill.yaml \\
+        --out prefill.yaml                                   (refit on the unbiased timings)
+
+Reads one or more `--json` files of `detgemm-cute tune` (plain or .gz; records of one GEMM in
+several files are merged), and per op writes one bucket covering M >= --m-min (every N, K),
+its alternatives and their cost coefficients fitted by `detgemm_cute.tune.choice`. Prints,
+per op, how the model's picks compare with cuBLASLt no split-K on the records, both fitted on
+all of them and with each token count (M; K for dw) left out of fitting and selection.
+`--keep FILE` refits the alternatives of that layer's buckets instead of selecting new ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from ..benchlib.stats import geomean
+from . import choice
+from .summary import all_fields, points_of
+
+OPS = ("fwd", "dx", "dw")
+
+
+def read_records(paths) -> list[dict]:
+    """Records of every file, the candidates of one GEMM (op, M, N, K) merged."""
+    merged: dict = {}
+    for path in paths:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt") as f:
+            doc = json.load(f)
+        for rec in doc.get("records") or []:
+            key = (rec.get("op"), *rec.get("gemm", ()))
+            if key in merged:
+                merged[key]["cands"].update(rec.get("cands") or {})
+                merged[key]["fields"].update(rec.get("fields") or {})
+            else:
+                merged[key] = dict(rec, cands=dict(rec.get("cands") or {}),
+                                   fields=dict(rec.get("fields") or {}))
+    return list(merged.values())
+
+
+def kept_alternatives(path, op: str) -> list[str]:
+    """Candidate names of the alternatives of the `op` buckets of a layer file."""
+    from .. import registry
+    from .candidates import Candidate
+
+    f = registry.load_config(path)
+    return [Candidate.from_bucket(b).name for b in f.buckets if b.op == op and b.group]
+
+
+def _ratios(pairs) -> list[float]:
+    return [p.peers["cublaslt"] / p.times[c] for p, c in pairs
+            if c and p.peers.get("cublaslt") and p.times.get(c)]
+
+
+def fit_op(records, op: str, args, out) -> list[str]:
+    """YAML lines of one op's bucket, or [] when too little was measured."""
+    fields = all_fields(records)
+    pts = [p for p in points_of(records, op) if p.m >= args.m_min]
+    token = "k" if op == "dw" else "m"
+    costs = choice.fit_all(pts, fields, args.sms, args.min_points)
+    names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
+             else choice.select(pts, costs, args.max_alternatives))
+    if len(names) < 1:
+        out(f"{op}: too few candidates measured on >= {args.min_points} problems: no bucket")
+        return []
+    fitted = _ratios((p, choice.pick(p, names, costs, fields, args.sms)) for p in pts)
+    held = _ratios(choice.cross_validate(pts, fields, args.sms, token, args.max_alternatives,
+                                         args.min_points)) if not args.keep else []
+    dev = next((r.get("device") for r in records if r.get("device")), "this GPU")
+    toks = sorted({getattr(p, token) for p in pts})
+    note = (f"tune-fit on {dev}: {len(names)} alternatives, costs from {len(pts)} problems "
+            f"({token.upper()} {toks[0]}..{toks[-1]}); the model's picks "
+            f"{geomean(fitted):.3f}x cuBLASLt no split-K on them" if fitted else "")
+    if held:
+        note += f", {geomean(held):.3f}x with each {token.upper()} left out"
+    out(f"{op}: {note}")
+    return choice.bucket_yaml(f"{op}_{args.name}", op, args.bucket_dtypes.split(","),
+                              ((args.m_min, None), (1, None), (1, None)), args.sms, names, costs,
+                              fields, note)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz ok)")
+    p.add_argument("--ops", default="fwd,dx,dw")
+    p.add_argument("--m-min", type=int, default=1, help="the buckets serve GEMM M >= this")
+    p.add_argument("--sms", type=int, default=132, help="SM count of the GPU measured on")
+    p.add_argument("--max-alternatives", type=int, default=12)
+    p.add_argument("--min-points", type=int, default=8,
+                   help="fit only candidates measured on at least this many problems")
+    p.add_argument("--keep", metavar="LAYER.yaml",
+                   help="refit the alternatives of this layer's buckets (no new selection)")
+    p.add_argument("--name", default="alternatives", help="bucket names: <op>_<name>")
+    p.add_argument("--bucket-dtypes", default="bf16,fp16")
+    p.add_argument("--arch", default="sm90", choices=("sm90", "sm80"))
+    p.add_argument("--out", required=True, metavar="FILE.yaml")
+
+
+def run(args, out=print) -> int:
+    from .. import registry
+
+    ops = [o for o in args.ops.split(",") if o]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        print(f"detgemm-cute tune-fit: error: --ops: unknown op {bad[0]!r}; one of "
+              f"{', '.join(OPS)}", file=sys.stderr)
+        return 2
+    missing = [p for p in args.records if not Path(p).is_file()]
+    if missing:
+        print(f"detgemm-cute tune-fit: error: no such records file: {missing[0]}",
+              file=sys.stderr)
+        return 2
+    records = read_records(args.records)
+    lines = [f"arch: {args.arch}", "buckets:"]
+    for op in ops:
+        lines += fit_op(records, op, args, out)
+    if len(lines) == 2:
+        out("nothing to write")
+        return 1
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    registry.load_config(args.out, arch=args.arch)  # validates (ConfigError names the line)
+    out(f"wrote {args.out}; layer it with DETGEMM_CUTE_CONFIG={args.out} or "
+        f"registry.add_config, check it with `detgemm-cute audit --config {args.out}`")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="detgemm-cute tune-fit", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+__all__ = ["add_arguments", "run", "main", "read_records"]
