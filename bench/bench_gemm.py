@@ -112,6 +112,8 @@ def results_suffix(args, arch: str) -> str:
         "" if args.suite == "core" else f"_{args.suite}")
     if os.environ.get("DETGEMM_CUTE_FAMILY"):
         suffix += f"_{arch}-family"
+    if args.dtype != "bf16":
+        suffix += f"_{args.dtype}"
     return suffix
 
 
