@@ -192,9 +192,7 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, *,
     named = reg.named(b.name)  # highest layer first; b may sit below a same-named bucket
     below = next(i for i, x in enumerate(named) if x is b) + 1
     alts = reg.alternatives(b)
-    predicted = tuple((a, wave_cost.predict_us(a.cost, a.tile, a.cluster, a.swap_ab, m, n, k,
-                                             a.sms))
-                      for a in alts) if len(alts) > 1 else ()
+    predicted = tuple((a, wave_cost.bucket_us(a, m, n, k)) for a in alts) if len(alts) > 1 else ()
     return Explanation(op=op, dtype=dtype, arch=reg.arch, m=m, n=n, k=k, bucket=b,
                        reason=_reason(b, m, n, k, len(alts)), shadowed=matches[1:],
                        same_name=named[below:], predicted=predicted)

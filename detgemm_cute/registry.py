@@ -568,10 +568,12 @@ class Registry:
         self._tables = {(op, dt): tuple(b for f in reversed(self.files) for b in f.buckets
                                         if b.op == op and dt in b.dtypes)
                         for op in OPS for dt in DTYPES}
-        self._groups: dict = {}  # (layer, bucket name) -> its alternatives, in file order
+        groups: dict = {}
         for b in self.buckets:
             if b.group:
-                self._groups.setdefault((b.layer, b.group), []).append(b)
+                groups.setdefault((b.layer, b.group), []).append(b)
+        # (layer, bucket name) -> its alternatives, in file order
+        self._groups = {key: tuple(alts) for key, alts in groups.items()}
 
     def table(self, op: str, dtype: str) -> tuple[Bucket, ...]:
         """Buckets serving op/dtype in the order lookups consult them (highest layer first)."""
@@ -584,7 +586,7 @@ class Registry:
 
     def alternatives(self, bucket: Bucket) -> tuple[Bucket, ...]:
         """The alternatives `bucket` is one of (itself alone for a plain bucket)."""
-        return tuple(self._groups.get((bucket.layer, bucket.group), ())) or (bucket,)
+        return self._groups.get((bucket.layer, bucket.group)) or (bucket,)
 
     def _resolve(self, b: Bucket, m: int, n: int, k: int) -> Bucket:
         return wave_cost.choose(self._groups[(b.layer, b.group)], m, n, k) if b.group else b

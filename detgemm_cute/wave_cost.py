@@ -43,15 +43,14 @@ def predict_us(cost, tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: 
     return sum(c * f for c, f in zip(cost, features(tile, cluster, swap_ab, m, n, k, sms)))
 
 
+def bucket_us(b, m: int, n: int, k: int) -> float:
+    """The predicted time of an alternative (a registry Bucket with `cost` and `sms`)."""
+    return predict_us(b.cost, b.tile, b.cluster, b.swap_ab, m, n, k, b.sms)
+
+
 def choose(alternatives, m: int, n: int, k: int):
-    """The alternative (a registry Bucket with `cost` and `sms`) of least predicted time;
-    ties go to the earlier one in the file."""
-    best, best_t = None, None
-    for b in alternatives:
-        t = predict_us(b.cost, b.tile, b.cluster, b.swap_ab, m, n, k, b.sms)
-        if best_t is None or t < best_t:
-            best, best_t = b, t
-    return best
+    """The alternative of least predicted time; ties go to the earlier one in the file."""
+    return min(alternatives, key=lambda b: bucket_us(b, m, n, k))
 
 
-__all__ = ["N_COEFFS", "features", "predict_us", "choose"]
+__all__ = ["N_COEFFS", "features", "predict_us", "bucket_us", "choose"]

@@ -145,7 +145,8 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
         for n, k in ((1024, 4096), (8192, 8192), (4096, 1024)):
             t = {c: wave_cost.predict_us(cost, tile, (1, 1), False, m, n, k, 132)
                  for c, (tile, cost) in true.items()}
-            recs.append({"op": "fwd", "gemm": [m, n, k], "cands": t, "device": "GPU X",
+            recs.append({"op": "fwd", "gemm": [m, n, k], "m": m, "n": n, "k": k, "cands": t,
+                         "device": "GPU X", "arch": "sm90", "dtype": "bf16",
                          "peers": {"cublaslt": min(t.values())},
                          "fields": {c: {"tile": list(tile), "stages": 4 if tile[0] == 128 else 6,
                                         "persistent": True} for c, (tile, _) in true.items()}})

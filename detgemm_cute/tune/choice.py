@@ -29,47 +29,29 @@ from ..wave_cost import N_COEFFS, features, predict_us
 MISSING_RATIO = 0.5  # t_best / t for a problem none of the alternatives was measured on
 
 
-def _solve(a, b):
-    """x with a x = b (Gaussian elimination, partial pivoting); None when singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-12:
-            return None
-        m[c], m[p] = m[p], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def fit_cost(samples, floor=(0.0,) * N_COEFFS) -> tuple | None:
     """Coefficients c >= floor minimising sum(((f . c) - t) / t)^2 over (features, t)."""
+    import torch
+
+    if not samples:
+        return None
+    f = torch.tensor([s[0] for s in samples], dtype=torch.float64)
+    t = torch.tensor([s[1] for s in samples], dtype=torch.float64)
+    lo = torch.tensor(floor, dtype=torch.float64)
+    x = f / t[:, None]  # relative error: every row divided by its time
     free = list(range(N_COEFFS))
     while free:
-        a = [[0.0] * len(free) for _ in free]
-        b = [0.0] * len(free)
-        for f, t in samples:
-            x = [f[j] / t for j in free]
-            rest = 1.0 - sum(f[j] * floor[j] for j in range(N_COEFFS) if j not in free) / t
-            for i in range(len(free)):
-                b[i] += x[i] * rest
-                for j in range(len(free)):
-                    a[i][j] += x[i] * x[j]
-        for i in range(len(free)):
-            a[i][i] += 1e-9 * (a[i][i] + 1.0)  # keeps collinear features solvable
-        sol = _solve(a, b)
-        if sol is None:
-            return None
-        below = [v - floor[j] for j, v in zip(free, sol)]
-        if min(below) >= 0:
-            out = list(floor)
-            for j, v in zip(free, sol):
-                out[j] = v
-            return tuple(out)
-        free.pop(below.index(min(below)))
+        fixed = [j for j in range(N_COEFFS) if j not in free]
+        rest = 1.0 - x[:, fixed] @ lo[fixed]
+        # gelsd: least squares by SVD, so collinear features (e.g. every problem filling
+        # every SM) still give the minimum-norm solution
+        sol = torch.linalg.lstsq(x[:, free], rest[:, None], driver="gelsd").solution[:, 0]
+        below = sol - lo[free]
+        if bool((below >= 0).all()):
+            out = lo.clone()
+            out[free] = sol
+            return tuple(out.tolist())
+        free.pop(int(below.argmin()))
     return tuple(floor)
 
 

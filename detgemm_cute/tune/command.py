@@ -163,7 +163,7 @@ def plan_candidates(problems, arch: str, dtype_name: str, sms: int, args, reg):
                             if not any(t in c.name for t in args.skip_candidate)
                             and (not args.only_candidate
                                  or any(t in c.name for t in args.only_candidate))]
-        if getattr(args, "alternatives", False):
+        if args.alternatives:
             keep += [c for c in map(Candidate.from_bucket, reg.alternatives(bucket))
                      if c not in keep]
         plan[p] = keep

@@ -25,20 +25,22 @@ from pathlib import Path
 
 from ..benchlib.stats import geomean
 from . import choice
+from .store import record_key
 from .summary import all_fields, points_of
 
 OPS = ("fwd", "dx", "dw")
 
 
 def read_records(paths) -> list[dict]:
-    """Records of every file, the candidates of one GEMM (op, M, N, K) merged."""
+    """Records of every file; the candidates of one problem (same device, arch, dtype, op and
+    shape: the resume file's key) merged."""
     merged: dict = {}
     for path in paths:
         opener = gzip.open if str(path).endswith(".gz") else open
         with opener(path, "rt") as f:
             doc = json.load(f)
         for rec in doc.get("records") or []:
-            key = (rec.get("op"), *rec.get("gemm", ()))
+            key = record_key(rec)
             if key in merged:
                 merged[key]["cands"].update(rec.get("cands") or {})
                 merged[key]["fields"].update(rec.get("fields") or {})
