@@ -319,11 +319,13 @@ def _alt_label(v: dict) -> str:
 
 
 def _cost(v):
-    ok = isinstance(v, list) and len(v) == wave_cost.N_COEFFS and all(
+    """Cost coefficients, padded with zeros to N_COEFFS (a 4-number cost: no traffic term)."""
+    n = wave_cost.N_COEFFS
+    ok = isinstance(v, list) and len(v) in (n - 1, n) and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
         for x in v)
-    return (tuple(float(x) for x in v), None) if ok else (
-        None, f"cost must be a list of {wave_cost.N_COEFFS} numbers >= 0 (us), got {v!r}")
+    return (tuple(float(x) for x in v) + (0.0,) * (n - len(v)), None) if ok else (
+        None, f"cost must be a list of {n - 1} or {n} numbers >= 0 (us), got {v!r}")
 
 
 def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):

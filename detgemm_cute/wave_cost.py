@@ -13,29 +13,39 @@ operands). The unit the GPU schedules is a cluster of CM x CN tiles:
     waves  = ceil(units / slots)        rounds of clusters the SMs run one after another
     active = min(units, slots) * CM * CN  SMs busy in a full wave
     work   = waves * ceil(K / BK)       k-blocks one SM runs in sequence
+    fed    = MB of operand tiles TMA brings into the SMs over the whole grid: every tile
+             loads (BM + BN) x BK x 2 bytes per k-block, a multicast operand once per cluster
     predicted us = c0 + c1 * work + c2 * work * active / S + c3 * waves
+                   + c4 * fed * active / S
 c0: launch and fill; c1: one k-block on an SM with the memory system to itself; c2: what
-sharing L2 and DRAM with `active` SMs adds to it; c3: a tile's prologue and epilogue. The
-coefficients (`cost: [c0, c1, c2, c3]`, microseconds, all >= 0) are fitted per alternative
-to its timings (`detgemm_cute.tune.choice`).
+sharing L2 and DRAM with `active` SMs adds to it; c3: a tile's prologue and epilogue; c4:
+the operand traffic, which grows when a small M is cut into several tiles that each read
+the whole weight (it separates one 192-wide tile over M = 176 from two 112-wide ones). The
+coefficients (`cost: [c0, c1, c2, c3, c4]`, microseconds, all >= 0; a 4-number cost has
+c4 = 0) are fitted per alternative to its timings (`detgemm_cute.tune.choice`).
 """
 
 from __future__ import annotations
 
-N_COEFFS = 4
+N_COEFFS = 5
 
 
 def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
-    """(1, work, work * active / S, waves) of one alternative on one problem."""
+    """(1, work, work * active / S, waves, fed * active / S) of one alternative on one
+    problem."""
     bm, bn, bk = tile
     cm, cn = cluster
     if swap_ab:
         m, n = n, m
-    units = -(-(-(-m // bm)) // cm) * -(-(-(-n // bn)) // cn)
+    tiles_m, tiles_n, k_blocks = -(-m // bm), -(-n // bn), -(-k // bk)
+    units = -(-tiles_m // cm) * -(-tiles_n // cn)
     slots = max(1, sms // (cm * cn))
     waves = -(-units // slots)
-    work = waves * -(-k // bk)
-    return (1.0, float(work), work * min(units, slots) * cm * cn / sms, float(waves))
+    work = waves * k_blocks
+    share = min(units, slots) * cm * cn / sms
+    # A is multicast along the cluster's N, B along its M (kernels/sm90_base.py)
+    fed = tiles_m * tiles_n * k_blocks * (bm / cn + bn / cm) * bk * 2 / 1e6
+    return (1.0, float(work), work * share, float(waves), fed * share)
 
 
 def predict_us(cost, tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> float:

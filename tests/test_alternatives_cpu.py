@@ -37,27 +37,43 @@ def test_choice_follows_the_wave_arithmetic(tmp_path):
     ex = D.explain("fwd", "bf16", "sm90", 100000, 64, 64)
     assert "least predicted time of its 2 alternatives" in ex.reason
     assert str(ex).count("option:") == 2 and str(ex).count("<- runs") == 1
-    assert D.bucket_by_name("sm90", "mine.128x256x64_c1x2_s4_p").cost == (2.0, 0.6, 0.1, 1.0)
+    assert D.bucket_by_name("sm90", "mine.128x256x64_c1x2_s4_p").cost == (2.0, 0.6, 0.1, 1.0, 0.0)  # 4 numbers: no traffic term
 
 
 def test_features_by_hand():
     # 1000 x 5120 on 128x256 tiles: 8 * 20 = 160 tiles, 2 waves of 132, K 4096 / 64 = 64 blocks
+    # operand traffic: 160 tiles x 64 k-blocks x (128 + 256) x 64 x 2 bytes, all SMs busy
     f = wave_cost.features((128, 256, 64), (1, 1), False, 1000, 5120, 4096, 132)
-    assert f == (1.0, 128.0, 128.0, 2.0)
+    assert f[:4] == (1.0, 128.0, 128.0, 2.0)
+    assert f[4] == pytest.approx(160 * 64 * 384 * 64 * 2 / 1e6)
     # swapped: the tile's rows run along N
     f = wave_cost.features((128, 64, 64), (1, 1), True, 100, 1024, 640, 132)
-    assert f == (1.0, 10.0, 10.0 * 16 / 132, 1.0)  # ceil(1024/128) * ceil(100/64) = 16 tiles
+    assert f[:4] == (1.0, 10.0, 10.0 * 16 / 132, 1.0)  # ceil(1024/128) * ceil(100/64) = 16 tiles
+    assert f[4] == pytest.approx(16 * 10 * 192 * 64 * 2 / 1e6 * 16 / 132)
     # clusters are the unit: 896 x 8192 on 128x224, 1x2 -> 7 x ceil(37 / 2) = 133 clusters,
     # 66 at a time: 3 waves (259 single tiles would take 2)
     f = wave_cost.features((128, 224, 64), (1, 2), False, 896, 8192, 640, 132)
-    assert f == (1.0, 30.0, 30.0 * 132 / 132, 3.0)
+    assert f[:4] == (1.0, 30.0, 30.0 * 132 / 132, 3.0)
+    # the B tile (224 wide) is multicast to both CTAs of a 1x2 cluster: counted once per pair
+    assert f[4] == pytest.approx(7 * 37 * 10 * (128 / 2 + 224) * 64 * 2 / 1e6)
     assert wave_cost.features((128, 224, 64), (1, 1), False, 896, 8192, 640, 132)[3] == 2.0
+
+
+def test_traffic_term_sees_the_weight_read_per_tile_over_m():
+    # M = 176 on swapped tiles: one 192-wide tile over M reads the weight once, two 112-wide
+    # ones read it twice; the wave terms alone favour the two (twice the SMs busy)
+    one = wave_cost.features((64, 192, 64), (1, 1), True, 176, 3584, 3584, 132)
+    two = wave_cost.features((64, 112, 64), (1, 1), True, 176, 3584, 3584, 132)
+    assert two[1] == one[1] and two[2] > one[2]
+    weight_mb = 3584 * 3584 * 2 / 1e6
+    assert one[4] == pytest.approx((weight_mb + 56 * 56 * 192 * 64 * 2 / 1e6) * 56 / 132)
+    assert two[4] == pytest.approx((2 * weight_mb + 56 * 2 * 56 * 112 * 64 * 2 / 1e6) * 112 / 132)
 
 
 @pytest.mark.parametrize("head, alts, words", [
     ("", (ALT_A,), "sms (the SM count"),
     ("    sms: 132\n    tile: [64, 64, 64]\n", (ALT_A,), "gives its kernel fields in each"),
-    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2]}",), "cost must be a list of 4"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2]}",), "cost must be a list of 4 or 5"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2, -3, 4]}",), "numbers >= 0"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4}",), "'cost': missing"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cots: [1, 1, 1, 1]}",), "did you mean 'cost'"),
@@ -80,13 +96,13 @@ def test_builtin_alternatives_are_complete_and_distinct():
     for name, alts in groups.items():
         assert len(alts) >= 2 and len({(a.tile, a.cluster, a.stages, a.persistent, a.pingpong,
                                         a.swap_ab) for a in alts}) == len(alts)
-        assert all(a.sms == 132 and len(a.cost) == 4 and min(a.cost) >= 0 for a in alts)
+        assert all(a.sms == 132 and len(a.cost) == wave_cost.N_COEFFS and min(a.cost) >= 0 for a in alts)
         assert len({(a.m, a.n, a.k, a.dtypes, a.op) for a in alts}) == 1
 
 
 def test_fit_recovers_coefficients_and_keeps_floors():
     rnd = random.Random(0)
-    true = (3.0, 0.5, 0.25, 1.5)
+    true = (3.0, 0.5, 0.25, 1.5, 0.02)
     samples = []
     for _ in range(60):
         # small and large grids alike, so `active` (min(tiles, SMs)) varies
@@ -94,7 +110,7 @@ def test_fit_recovers_coefficients_and_keeps_floors():
                                rnd.randint(100, 8000), rnd.randint(64, 16384), 132)
         samples.append((f, sum(c * x for c, x in zip(true, f))))
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(choice.fit_cost(samples), true))
-    floor = (0.0, 0.9, 0.0, 0.0)
+    floor = (0.0, 0.9, 0.0, 0.0, 0.0)
     got = choice.fit_cost(samples, floor)
     assert got[1] == pytest.approx(0.9) and min(g - f for g, f in zip(got, floor)) >= 0
 

@@ -245,7 +245,7 @@ def test_stages_at_the_shared_memory_boundary(tmp_path, capsys, tile):
 
 @pytest.mark.parametrize("tile, stages, words", [
     ("[64, 40, 64]", 4, "field 'tile': tile N must be one of (16, 32, 48, 64, 80, 96, 112, 128, "
-                        "160, 192, 224, 256), got 40"),
+                        "144, 160, 176, 192, 208, 224, 240, 256), got 40"),
     ("[64, 64, 32]", 4, "field 'tile': tile K must be one of (64, 128), got 32"),
     ("[8, 16, 128]", 4, "field 'tile': a BM 8 row tile needs BN a multiple of 32, got 16"),
     ("[64, 64, 64]", 1, "field 'stages': stages must be in [2, 16], got 1"),

@@ -16,7 +16,7 @@ TILE_M = (8, 16, 32, 64, 128)
 # Multiples of 16 WGMMA takes (n16..n256) whose epilogue sub-tile (32 or 16 columns) divides
 # them; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120). BN 8
 # (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
-TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 TILE_K = (64, 128)
 # The fp32 tier (split.py: 16-bit parts, chunked chain): a k tile is one chunk of six 16-wide
 # steps (one 32-wide block of the original K in fwd/dX, one 16-wide block in dW); BK is
