@@ -121,7 +121,7 @@ def test_explain_reason_and_text():
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     ex = D.explain("fwd", "fp16", "sm90", 5000, 1, 1)
-    assert ex.reason.startswith("M=5000 in [129, inf), N any, K any; the least predicted time "
+    assert ex.reason.startswith("M=5000 in [1536, inf), N any, K any; the least predicted time "
                                 "of its ") and ex.bucket.group == "fwd_prefill"
     assert len(ex.predicted) > 1 and min(ex.predicted, key=lambda x: x[1])[0] is ex.bucket
     assert f"{ex.bucket.name.split('.')[1]}" in str(ex) and "<- runs" in str(ex)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from detgemm_cute import registry as R
+from detgemm_cute import registry as R, wave_cost
 from detgemm_cute.kernels import sm90_limits
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -49,7 +49,7 @@ def test_builtin_buckets_pass_kernel_limits_and_carry_lines():
                                         swap_ab=b.swap_ab) == []
         if b.group:  # an alternative: its own line inside its bucket's list
             assert text[b.line - 1].strip().startswith("- {tile: ")
-            assert b.name.startswith(b.group + ".") and len(b.cost) == 4 and b.sms == 132
+            assert b.name.startswith(b.group + ".") and len(b.cost) == wave_cost.N_COEFFS and b.sms == 132
         else:
             assert text[b.line - 1].strip() == f"- name: {b.name}"
         assert b.layer == 0 and b.source.name == "sm90.yaml"
