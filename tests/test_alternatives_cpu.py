@@ -181,3 +181,13 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
                                                              False, m, n, k, 132))
         assert b.group == "fwd_alternatives" and b.tile == true[want][0]
     assert cli.main(["tune-fit", str(tmp_path / "none.json"), "--out", str(out)]) == 2
+    # a bounded region: only the records inside are used, and the bucket serves that box
+    box = tmp_path / "box.yaml"
+    assert cli.main(["tune-fit", str(src), "--ops", "fwd", "--m-min", "200", "--m-max", "1024",
+                     "--n-min", "2000", "--min-points", "2", "--name", "box", "--out",
+                     str(box)]) == 0
+    assert "costs from 6 problems (M 256..1024)" in capsys.readouterr().out  # 3 M x 2 N
+    text = box.read_text()
+    assert "m: [200, 1024]" in text and "n: [2000, null]" in text
+    assert cli.main(["tune-fit", str(src), "--m-min", "600", "--m-max", "500",
+                     "--out", str(box)]) == 2

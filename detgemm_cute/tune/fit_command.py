@@ -8,7 +8,8 @@
         --out prefill.yaml                                   (refit on the unbiased timings)
 
 Reads one or more `--json` files of `detgemm-cute tune` (plain or .gz; records of one GEMM in
-several files are merged), and per op writes one bucket covering M >= --m-min (every N, K),
+several files are merged), and per op writes one bucket covering --m-min <= M <= --m-max and
+--n-min <= N <= --n-max (GEMM dims; every K; the records outside are not used),
 its alternatives and their cost coefficients fitted by `detgemm_cute.tune.choice`. Prints,
 per op, how the model's picks compare with cuBLASLt no split-K on the records, both fitted on
 all of them and with each token count (M; K for dw) left out of fitting and selection.
@@ -67,7 +68,9 @@ def _ratios(pairs) -> list[float]:
 def fit_op(records, op: str, args, out) -> list[str]:
     """YAML lines of one op's bucket, or [] when too little was measured."""
     fields = all_fields(records)
-    pts = [p for p in points_of(records, op) if p.m >= args.m_min]
+    m_hi, n_hi = args.m_max or float("inf"), args.n_max or float("inf")
+    pts = [p for p in points_of(records, op)
+           if args.m_min <= p.m <= m_hi and args.n_min <= p.n <= n_hi]
     token = "k" if op == "dw" else "m"
     costs = choice.fit_all(pts, fields, args.sms, args.min_points)
     names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
@@ -87,14 +90,17 @@ def fit_op(records, op: str, args, out) -> list[str]:
         note += f", {geomean(held):.3f}x with each {token.upper()} left out"
     out(f"{op}: {note}")
     return choice.bucket_yaml(f"{op}_{args.name}", op, args.bucket_dtypes.split(","),
-                              ((args.m_min, None), (1, None), (1, None)), args.sms, names, costs,
-                              fields, note)
+                              ((args.m_min, args.m_max), (args.n_min, args.n_max), (1, None)),
+                              args.sms, names, costs, fields, note)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz ok)")
     p.add_argument("--ops", default="fwd,dx,dw")
     p.add_argument("--m-min", type=int, default=1, help="the buckets serve GEMM M >= this")
+    p.add_argument("--m-max", type=int, default=None, help="... and M <= this (default: any)")
+    p.add_argument("--n-min", type=int, default=1, help="... and GEMM N >= this")
+    p.add_argument("--n-max", type=int, default=None, help="... and N <= this (default: any)")
     p.add_argument("--sms", type=int, default=132, help="SM count of the GPU measured on")
     p.add_argument("--max-alternatives", type=int, default=12)
     p.add_argument("--min-points", type=int, default=8,
@@ -121,6 +127,13 @@ def run(args, out=print) -> int:
         print(f"detgemm-cute tune-fit: error: no such records file: {missing[0]}",
               file=sys.stderr)
         return 2
+    for lo, hi in (("m_min", "m_max"), ("n_min", "n_max")):
+        if getattr(args, lo) < 1 or (getattr(args, hi) is not None
+                                     and getattr(args, hi) < getattr(args, lo)):
+            print(f"detgemm-cute tune-fit: error: --{lo.replace('_', '-')} "
+                  f"{getattr(args, lo)} / --{hi.replace('_', '-')} {getattr(args, hi)}: "
+                  f"expected 1 <= min <= max", file=sys.stderr)
+            return 2
     records = read_records(args.records)
     lines = [f"arch: {args.arch}", "buckets:"]
     for op in ops:
