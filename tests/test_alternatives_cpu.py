@@ -191,3 +191,31 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
     assert "m: [200, 1024]" in text and "n: [2000, null]" in text
     assert cli.main(["tune-fit", str(src), "--m-min", "600", "--m-max", "500",
                      "--out", str(box)]) == 2
+
+
+@pytest.mark.parametrize("group, records, m_range, max_alternatives", [
+    ("small", "tune_small", (129, 511), 24),
+    ("mid", "tune_mid", (512, 1535), 16),
+])
+def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range,
+                                                           max_alternatives):
+    """The built-in small and mid buckets are what `tune-fit` selects and fits from the tune
+    records committed next to them (bench/results/tune/): configs are data, derived."""
+    from pathlib import Path
+
+    from detgemm_cute.tune.candidates import Candidate
+    from detgemm_cute.tune.fit_command import read_records
+    from detgemm_cute.tune.summary import all_fields, points_of
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
+    recs = read_records(sorted(root.glob(f"{records}_*.json.gz")))
+    fields = all_fields(recs)
+    reg = R.get_registry("sm90")
+    for op in ("fwd", "dx"):
+        pts = [p for p in points_of(recs, op) if m_range[0] <= p.m <= m_range[1]]
+        costs = choice.fit_all(pts, fields, 132, 8)
+        names = choice.select(pts, costs, max_alternatives)
+        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+        got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
+               if b.group == f"{op}_{group}"}
+        assert got == want, f"{op}_{group}"
