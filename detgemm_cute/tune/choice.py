@@ -79,7 +79,8 @@ def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
     out = {}
     for name, s in samples.items():
         if len(s) >= min_points:
-            cost = fit_cost(s, (0.0, kblock_floor_us(fields[name]["tile"])) + (0.0,) * (N_COEFFS - 2))
+            floor = (0.0, kblock_floor_us(fields[name]["tile"])) + (0.0,) * (N_COEFFS - 2)
+            cost = fit_cost(s, floor)
             if cost is not None:
                 out[name] = cost
     return out
