@@ -31,6 +31,7 @@ import yaml
 
 from . import wave_cost
 from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
+from .kernels.limits_common import config_label
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
@@ -313,8 +314,7 @@ def _check_field(key, v):
 
 def _alt_label(v: dict) -> str:
     """128x256x64_c1x2_s4_p_pingpong: an alternative's name inside its bucket."""
-    s = (f"{'x'.join(map(str, v['tile']))}_c{'x'.join(map(str, v['cluster']))}"
-         f"_s{v['stages']}{'_p' if v['persistent'] else ''}")
+    s = config_label(v["tile"], v["cluster"], v["stages"], v["persistent"])
     return s + "".join(f"_{key}" for key in ("pingpong", "swap_ab") if v[key])
 
 

@@ -4,6 +4,13 @@ a stage range, and a shared-memory budget. Pure Python (run when a YAML file is 
 from __future__ import annotations
 
 
+def config_label(tile, cluster, stages: int, persistent: bool) -> str:
+    """128x256x64_c1x2_s4_p: the kernel configuration in names (bucket alternatives, tune
+    candidates); options follow as suffixes in each caller's own form."""
+    return (f"{'x'.join(map(str, tile))}_c{'x'.join(map(str, cluster))}"
+            f"_s{stages}{'_p' if persistent else ''}")
+
+
 def max_stages(tile, smem_bytes, stage_range, smem_limit) -> int:
     """The most stages of `tile` that fit `smem_limit` (below the range's low end: none)."""
     lo, hi = stage_range

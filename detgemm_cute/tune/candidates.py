@@ -53,6 +53,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from ..kernels.limits_common import config_label
+
 _STANDARD = ("tile", "cluster", "stages", "persistent")
 _NOT_KERNEL = ("name", "op", "dtypes", "m", "n", "k", "note", "source", "line", "layer",
                "group", "cost", "sms")
@@ -71,8 +73,7 @@ class Candidate:
     @property
     def name(self) -> str:
         """A file- and YAML-safe name: 128x256x64_c2x1_s4_p (+ _key-value per extra)."""
-        s = (f"{'x'.join(map(str, self.tile))}_c{'x'.join(map(str, self.cluster))}"
-             f"_s{self.stages}{'_p' if self.persistent else ''}")
+        s = config_label(self.tile, self.cluster, self.stages, self.persistent)
         for k, v in self.extra:
             s += f"_{k}-{str(v).lower()}"
         return s

@@ -97,15 +97,6 @@ def pick(point, names, costs: dict, fields: dict, sms: int):
     return best
 
 
-def score(points, names, costs, fields, sms) -> float:
-    """Geomean of t_best / t(the model's pick among `names`) over `points`."""
-    logs = 0.0
-    for p in points:
-        c = pick(p, names, costs, fields, sms)
-        logs += math.log(p.best / p.times[c] if c else MISSING_RATIO)
-    return math.exp(logs / len(points))
-
-
 def reach(points, names) -> float:
     """Geomean of t_best / (the fastest of `names` measured) over `points`."""
     logs = 0.0
@@ -160,5 +151,5 @@ def bucket_yaml(name: str, op: str, dtypes, ranges, sms: int, names, costs: dict
     return lines
 
 
-__all__ = ["fit_cost", "fit_all", "pick", "score", "reach", "select", "cross_validate",
+__all__ = ["fit_cost", "fit_all", "pick", "reach", "select", "cross_validate",
            "bucket_yaml", "MISSING_RATIO"]
