@@ -411,8 +411,9 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
     if "sms" in raw and not choice:
         probs.add(key_lines["sms"], "sms belongs to a bucket with alternatives", label, "sms")
     values = dict(_DEFAULTS)
+    skip = ("alternatives", "sms") + (_KERNEL_KEYS if choice else ())
     for key in _BUCKET_KEYS:
-        if key in raw and key not in ("alternatives", "sms") and not (choice and key in _KERNEL_KEYS):
+        if key in raw and key not in skip:
             v, err = _check_field(key, raw[key])
             if err:
                 probs.add(key_lines.get(key, line), err, label, key)
