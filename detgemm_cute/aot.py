@@ -27,15 +27,19 @@ _REQUIRED = {
              ("ldmatrix", r"ldmatrix\.sync\.aligned")),
 }
 
+_TF32_MMA = ("wgmma.mma_async ... .f32.tf32.tf32", r"wgmma\.mma_async\S*\.f32\.tf32\.tf32")
+
 # "core": one key per bucket and dtype plus an fp32-output, [K, N]-weight variant;
 # "all": every dtype x output x layout x bias combination the op layer can ask for.
 _LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m", "nk", "last"))
 
 
-def audit_ptx(ptx: str, family: str = "sm90") -> list[str]:
+def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None) -> list[str]:
     """Problems with one kernel's PTX (empty when it passes); `family` is the registry arch
-    of the kernel ("sm90" or "sm80"), which decides the instructions that must be there."""
-    problems = [f"missing {name}" for name, pat in _REQUIRED[family] if not re.search(pat, ptx)]
+    of the kernel ("sm90" or "sm80"), which decides the instructions that must be there;
+    `dtype` "tf32" also requires the TF32 WGMMA."""
+    required = _REQUIRED[family] + ((_TF32_MMA,) if dtype == "tf32" else ())
+    problems = [f"missing {name}" for name, pat in required if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
     return problems
 
@@ -50,10 +54,25 @@ def _split_variants(bucket, which: str):
         yield dict(base, accumulate=acc)
 
 
+def _tf32_variants(bucket, which: str):
+    """tf32 buckets: fp32 operands, both K-major (the op layer stages any other layout);
+    "core": fp32 out (with bias for fwd); "all": every output dtype, with and without bias."""
+    base = dict(dtype="tf32", a_major="k", b_form="nk", b_contig="last")
+    if which == "core":
+        yield dict(base, out_dtype="fp32", has_bias=bucket.op == "fwd")
+        return
+    for out in ("fp32", "bf16", "fp16"):
+        for bias in (False, True):
+            yield dict(base, out_dtype=out, has_bias=bias)
+
+
 def _variants(bucket, which: str):
     """The kernel keys to build for one bucket: per op, the layouts its calls use."""
     if "fp32" in bucket.dtypes:
         yield from _split_variants(bucket, which)
+        return
+    if "tf32" in bucket.dtypes:
+        yield from _tf32_variants(bucket, which)
         return
     if bucket.op == "dw":  # fp32 out, no bias; from +0.0 or continuing a buffer
         layouts = _LAYOUTS if which == "all" else (("m", "kn", "last"), ("m", "nk", "last"))
@@ -125,7 +144,8 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
                          + (" acc" if call.get("accumulate") else "")
                          + (" batched" if call.get("batched") else "")
-                         + (" split(fp32)" if call.get("split") else ""))
+                         + (" split(fp32)" if call.get("split") else "")
+                         + (" tf32" if call["dtype"] == "tf32" else ""))
                 t0 = time.time()
                 total += 1
                 if key in done:
@@ -136,7 +156,7 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                     continue
                 try:
                     fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-                    problems = audit_ptx(fn.__ptx__ or "", family)
+                    problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
                 except Exception as e:  # report every bucket, not just the first failure
                     problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
                 done[key] = (b.name, problems)

@@ -34,7 +34,7 @@ class KernelKey:
     cluster: tuple[int, int]
     stages: int
     persistent: bool
-    dtype: str  # input dtype of A and B: bf16 | fp16
+    dtype: str  # input dtype of A and B: bf16 | fp16 | tf32 (fp32 operands read as TF32)
     out_dtype: str  # bf16 | fp16 | fp32
     a_major: str  # "k": A[M, K] row-major; "m": A is a transposed view
     b_form: str  # "nk": B given as [N, K] (weight of linear); "kn": [K, N] (mm)
@@ -68,7 +68,9 @@ _compiled: dict[KernelKey, object] = {}
 def _cutlass_dtype(name: str):
     import cutlass
 
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+    # tf32: the tensors are fp32 (what the caller passes); the kernel reads them as TF32.
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
+            "tf32": cutlass.Float32}[name]
 
 
 def _make_fakes(key: KernelKey):

@@ -29,6 +29,7 @@ from .errors import check_gemm_args
 _ALIGN = 16
 _MAX_DIM = 2**31 - 1
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TF32 = "tf32"  # the dtype name of fp32 operands on the TF32 kernels (tables, kernel keys)
 
 _plans: dict = {}  # cleared whenever the registry's user layers change
 _arch_of_device: dict = {}
@@ -141,12 +142,21 @@ class _Plan:
 
 def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
     """`split_in`: a and b are the fp32 tier's fp16 parts (K-major [rows, K'], b as
-    [N, K']); the bucket comes from the fp32 table at the original K."""
+    [N, K']); the bucket comes from the fp32 table at the original K. `split_in == TF32`:
+    fp32 operands for the TF32 kernels (both K-major: any other layout is staged)."""
     arch = arch_of(a.device)
-    dtype = _NAMES[a.dtype]
+    tf32 = split_in == TF32
+    split_in = 0 if tf32 else split_in
+    if tf32:
+        _require_sm90(a)
+    dtype = TF32 if tf32 else _NAMES[a.dtype]
     forced = _forced.name
+    table_dtype = "fp32" if split_in else dtype
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
-              else dispatch.lookup(op, "fp32" if split_in else dtype, arch, m, n, k))
+              else dispatch.lookup(op, table_dtype, arch, m, n, k))
+    if forced and table_dtype not in bucket.dtypes:
+        raise ValueError(f"force_bucket: bucket {forced!r} serves {'/'.join(bucket.dtypes)}, "
+                         f"not this call's {table_dtype} operands")
     swap = bucket.swap_ab and not split_in
     if swap:  # the kernel's A is op(B)^T ([N, K]), its B the caller's A ([M, K], "nk")
         a, b, b_form = swapped_operands(a, b, b_form)
@@ -157,6 +167,10 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
         a_unit, b_contig = _unit_dim(a), _unit_dim(b)
         if a_unit == "first" and bucket.tile[0] < 64:
             a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
+        if tf32:  # TF32 WGMMA reads both operands K-major only
+            a_unit = a_unit if a_unit == "last" else None
+            k_major_b = (b_form, b_contig) in (("nk", "last"), ("kn", "first"))
+            b_contig = b_contig if k_major_b else None
         stage_a, stage_b = a_unit is None, b_contig is None
         a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
         if stage_b:  # staged B is [N, K] K-major
@@ -185,7 +199,10 @@ def swapped_operands(a, b, b_form):
 
 def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, split_in=False):
     """Everything the plan and the input checks depend on, so a hit needs neither again.
-    (Built on every call: attribute reads only, in one tuple.)"""
+    (Built on every call: attribute reads only, in one tuple; fp32 inputs add the precision,
+    which decides between the TF32 kernels and the split tier.)"""
+    if a.dtype is torch.float32 and not split_in:
+        split_in = _fp32_route(op)
     return (op, b_form, out_dtype, split_in, a.shape, a.stride(), b.shape, b.stride(), a.dtype,
             b.dtype,
             a.device, b.device, not a.data_ptr() & 15, not b.data_ptr() & 15,
@@ -227,10 +244,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     if a.device.type == "cpu":
         c = _on_cpu(a, b, b_form, bias, out_dtype, acc, op)
         return out.copy_(c) if out is not None else c
-    if a.dtype == torch.float32:
-        return _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out)
+    if a.dtype == torch.float32 and not split_in:
+        split_in = _fp32_route(op)
+        if split_in != TF32:
+            return _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out)
     if plan is None:
-        if split_in:  # the fp32 table is keyed by the real K (split_in: K per chunk)
+        if split_in and split_in != TF32:  # the fp32 table is keyed by the real K (K/chunk)
             k = k // split.CHUNK_K * split_in
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
                          key or _key(a, b, b_form, bias, out_dtype, op, acc, split_in), m, n, k,
@@ -270,25 +289,20 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     return c.contiguous() if plan.pad_cols else c
 
 
+def _fp32_route(op: str):
+    """How an fp32 GEMM of `op` runs here: TF32 (the TF32 kernels, at precision "tf32",
+    fwd and dX) or 0 (the split tier: precision "ieee", and dW always)."""
+    return TF32 if op != "dw" and split.precision() == TF32 else 0
+
+
 def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
-    """The fp32 tier on the GPU (`split`). fwd/dX: scale and split both operands into fp16
-    parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then bias and the one
-    rounding ("tf32" precision: fp16(x * s) alone, the 16-bit tier's GEMM). dW: exact bf16
-    parts, no scales, the chunked GEMM continuing `acc`."""
-    if arch_of(a.device) != "sm90":
-        raise RuntimeError("detgemm_cute: fp32 inputs run on the sm90 kernel family (H100/H200) "
-                           "only; the sm80 family has no fp32 kernels. Cast to bf16/fp16, or "
-                           "use torch.autocast")
+    """The fp32 tier's full precision on the GPU (`split`). fwd/dX: scale and split both
+    operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
+    bias and the one rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing
+    `acc`. (Precision "tf32" runs the TF32 kernels through the plain path instead.)"""
+    _require_sm90(a)
     b_nk = b if b_form == "nk" else b.t()
-    if op != "dw" and split.precision() == "tf32":  # fp16(x * s): TF32's 11 bits, one product
-        sa, sb = split.row_scales(a), split.row_scales(b_nk)
-        c = None if acc is None else split.scale_acc(acc, sa, sb)
-        c = gemm(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), "nk", None, torch.float32,
-                 op=op, acc=c)
-        y = split.unscale(c, sa, sb)
-        if acc is not None:
-            return acc.copy_(y)
-    elif op == "dw":
+    if op == "dw":
         a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")
         y = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=acc,
                  split_in=split.EXACT_BLOCK_K)
@@ -307,6 +321,13 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     if out_dtype is not None and out_dtype != torch.float32:
         y = y.to(out_dtype)
     return out.copy_(y) if out is not None else y
+
+
+def _require_sm90(a):
+    if arch_of(a.device) != "sm90":
+        raise RuntimeError("detgemm_cute: fp32 inputs run on the sm90 kernel family (H100/H200) "
+                           "only; the sm80 family has no fp32 kernels. Cast to bf16/fp16, or "
+                           "use torch.autocast")
 
 
 def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):

@@ -31,6 +31,8 @@ from . import split
 from .errors import IN_DTYPES, OUT_DTYPES, check_gemm_args
 
 BLOCK_K = 16
+# TF32 operands (the fp32 tier's "tf32" precision): the same chain in 8-wide blocks.
+TF32_BLOCK_K = 8
 # Product terms are truncated to multiples of 2^(E - ALIGN_BITS).
 ALIGN_BITS = 25
 # Elements of one [rows, cols, 16] working tensor: bounds memory, stays near cache size.
@@ -132,14 +134,14 @@ def _floor_log2(v: torch.Tensor) -> torch.Tensor:
     return (e - 1).to(torch.float64)
 
 
-def _blocks(v: torch.Tensor, nom: torch.Tensor):
-    """[rows, K] -> [K/16, rows, 16] (K zero-padded), contiguous per block."""
+def _blocks(v: torch.Tensor, nom: torch.Tensor, block: int = BLOCK_K):
+    """[rows, K] -> [K/block, rows, block] (K zero-padded), contiguous per block."""
     rows, k = v.shape
-    kp = -(-k // BLOCK_K) * BLOCK_K
+    kp = -(-k // block) * block
     if kp != k:
         v = torch.nn.functional.pad(v, (0, kp - k))
         nom = torch.nn.functional.pad(nom, (0, kp - k), value=-math.inf)
-    shape = (rows, kp // BLOCK_K, BLOCK_K)
+    shape = (rows, kp // block, block)
     return (v.reshape(shape).transpose(0, 1).contiguous(),
             nom.reshape(shape).transpose(0, 1).contiguous())
 
@@ -171,8 +173,9 @@ def _acc_nominal(acc64: torch.Tensor, model: ChainModel) -> torch.Tensor:
 
 
 def _block_step(a_vj, a_nj, b_vj, b_nj, acc, model, prod, nom, e_max):
-    """One 16-wide block onto the fp32 accumulators: a_* [..., m, 16], b_* [..., n, 16],
-    acc fp32 [..., m, n]; prod/nom [..., m, n, 16] and e_max [..., m, n] are scratch."""
+    """One block (16 wide; 8 for tf32) onto the fp32 accumulators: a_* [..., m, w],
+    b_* [..., n, w], acc fp32 [..., m, n]; prod/nom [..., m, n, w] and e_max [..., m, n] are
+    scratch."""
     torch.mul(a_vj.unsqueeze(-2), b_vj.unsqueeze(-3), out=prod)  # exact products
     torch.add(a_nj.unsqueeze(-2), b_nj.unsqueeze(-3), out=nom)  # nominal exponents
     torch.amax(nom, dim=-1, out=e_max)
@@ -188,23 +191,23 @@ def _block_step(a_vj, a_nj, b_vj, b_nj, acc, model, prod, nom, e_max):
     return _round_to_fp32_rz(total.div_(s), model)
 
 
-def _scratch(*lead):
-    return (torch.empty((*lead, BLOCK_K), dtype=torch.float64),
-            torch.empty((*lead, BLOCK_K), dtype=torch.float64),
+def _scratch(*lead, block: int = BLOCK_K):
+    return (torch.empty((*lead, block), dtype=torch.float64),
+            torch.empty((*lead, block), dtype=torch.float64),
             torch.empty(lead, dtype=torch.float64))
 
 
 def _chain_tile(a_v, a_n, b_v, b_n, acc, model, seen=None, a_nf=None, b_nf=None):
-    """Run all K-blocks for one output tile. a_*: [KB, m, 16], b_*: [KB, n, 16]; acc fp32
+    """Run all K-blocks for one output tile. a_*: [KB, m, w], b_*: [KB, n, w]; acc fp32
     [m, n] (finite). Returns (acc fp32, +Inf mask, -Inf mask) where the last two mark
     accumulators that overflowed to infinity (only with model.overflow == "inf").
 
     seen [m, n] marks accumulators already NaN/Inf; a_nf [KB, m] / b_nf [KB, n] mark rows /
     columns with a NaN/Inf input in each block. An infinite accumulator absorbs later
     finite sums, so only an overflow before the first NaN/Inf product counts."""
-    kb, m, _ = a_v.shape
+    kb, m, block = a_v.shape
     n = b_v.shape[1]
-    scratch = _scratch(m, n)
+    scratch = _scratch(m, n, block=block)
     ovf_pos = ovf_neg = None
     for j in range(kb):
         acc = _block_step(a_v[j], a_n[j], b_v[j], b_n[j], acc, model, *scratch)
@@ -241,9 +244,9 @@ def _special_counts(am, bm):
 def _nonfinite_blocks(masks, blocks):
     """[KB, rows] bool: the rows with a NaN/Inf input inside each K-block."""
     nf = masks["nan"] | masks["inf"]
-    kb, rows, _ = blocks.shape
-    nf = torch.nn.functional.pad(nf, (0, kb * BLOCK_K - nf.shape[1]))
-    return nf.reshape(rows, kb, BLOCK_K).any(dim=2).t().contiguous()
+    kb, rows, block = blocks.shape
+    nf = torch.nn.functional.pad(nf, (0, kb * block - nf.shape[1]))
+    return nf.reshape(rows, kb, block).any(dim=2).t().contiguous()
 
 
 def _no_specials(v):
@@ -253,8 +256,9 @@ def _no_specials(v):
 
 
 def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
-           model: ChainModel) -> torch.Tensor:
-    """fp32 accumulators of a [M, K] @ b_nk[N, K]^T, starting from acc (or +0)."""
+           model: ChainModel, block: int = BLOCK_K) -> torch.Tensor:
+    """fp32 accumulators of a [M, K] @ b_nk[N, K]^T, starting from acc (or +0), in
+    `block`-wide K blocks (16; 8 for TF32 operands)."""
     m, n = a.shape[0], b_nk.shape[0]
     a_val, a_n, a_masks = _operand(a, model)
     b_val, b_n, b_masks = _operand(b_nk, model)
@@ -267,8 +271,8 @@ def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
         if not bool(torch.isfinite(out).all()):
             acc_special = out.clone()
             out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
-    a_v, a_n = _blocks(a_val, a_n)
-    b_v, b_n = _blocks(b_val, b_n)
+    a_v, a_n = _blocks(a_val, a_n, block)
+    b_v, b_n = _blocks(b_val, b_n, block)
     a_nf = b_nf = None
     if a_masks is not None or b_masks is not None:
         a_masks = a_masks if a_masks is not None else _no_specials(a_val)
@@ -277,8 +281,8 @@ def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
         b_nf = _nonfinite_blocks(b_masks, b_v)
     seen = (torch.zeros((m, n), dtype=torch.bool) if acc_special is None
             else ~torch.isfinite(acc_special))
-    cols = min(n, max(1, _TILE_ELEMS // BLOCK_K))
-    rows = max(1, _TILE_ELEMS // (cols * BLOCK_K))
+    cols = min(n, max(1, _TILE_ELEMS // block))
+    rows = max(1, _TILE_ELEMS // (cols * block))
     ovf_pos = torch.zeros((m, n), dtype=torch.bool)
     ovf_neg = torch.zeros((m, n), dtype=torch.bool)
     for r0 in range(0, m, rows):
@@ -321,22 +325,22 @@ def _with_specials(out, nan, pinf, ninf):
 
 def _chain_fp32(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
                 model: ChainModel, op: str, precision: str) -> torch.Tensor:
-    """fp32 operands (`split`). dW: exact bf16 parts, the chunked chain continuing `acc`.
-    fwd/dX: per-row scales; "ieee" runs the chunked chain on fp16 parts, "tf32" the 16-bit
-    chain on fp16(x * s); both start from the scaled `acc` and are unscaled."""
+    """fp32 operands. dW: exact bf16 parts (`split`), the chunked chain continuing `acc`.
+    fwd/dX at "tf32": both operands rounded to TF32 (`split.tf32_round`), the chain in
+    8-wide blocks from `acc`. At "ieee": per-row scales, the chunked chain on fp16 parts from
+    the scaled `acc`, unscaled."""
     m, n = a.shape[0], b_nk.shape[0]
     if op == "dw":
         out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc.clone()
         return out if m == 0 else _chunked(split.exact_operand(a, "a"),
                                            split.exact_operand(b_nk, "b"), out, model)
+    if precision == "tf32":
+        return _chain(split.tf32_round(a), split.tf32_round(b_nk), acc, model, TF32_BLOCK_K)
     sa, sb = split.row_scales(a), split.row_scales(b_nk)
     acc = None if acc is None else split.scale_acc(acc, sa, sb)
-    if precision == "tf32":
-        out = _chain(split.hi_operand(a, sa), split.hi_operand(b_nk, sb), acc, model)
-    else:
-        out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc
-        if m:
-            out = _chunked(split.operand(a, sa, "a"), split.operand(b_nk, sb, "b"), out, model)
+    out = torch.zeros((m, n), dtype=torch.float32) if acc is None else acc
+    if m:
+        out = _chunked(split.operand(a, sa, "a"), split.operand(b_nk, sb, "b"), out, model)
     return split.unscale(out, sa, sb)
 
 

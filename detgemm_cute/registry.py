@@ -36,12 +36,15 @@ from .kernels.limits_common import config_label
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
 OPS = ("fwd", "dx", "dw", "bmm")
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
 # where an op has fp32 buckets they must cover every (M, N, K) as well.
 REQUIRED_DTYPES = ("bf16", "fp16")
-# Ops the fp32 tier has (bmm takes 16-bit inputs only).
+# Ops the fp32 tier has (bmm takes 16-bit inputs only). "fp32" buckets serve its full
+# precision (split operands), "tf32" buckets its TF32 precision (fp32 operands read as TF32 by
+# the tensor cores); dW runs full precision at either setting.
 FP32_OPS = ("fwd", "dx", "dw")
+TF32_OPS = ("fwd", "dx")
 # Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.
 SWAP_OPS = ("fwd", "dx", "dw")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
@@ -421,9 +424,10 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
                 values[key] = v
     if len(probs.lines) != before:
         return []
-    if "fp32" in values["dtypes"] and values["op"] not in FP32_OPS:
-        probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no fp32 kernel; fp32 "
-                  f"buckets serve {', '.join(FP32_OPS)}", label, "dtypes")
+    for name, ops in (("fp32", FP32_OPS), ("tf32", TF32_OPS)):
+        if name in values["dtypes"] and values["op"] not in ops:
+            probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no {name} kernel; "
+                      f"{name} buckets serve {', '.join(ops)}", label, "dtypes")
     if choice:
         return _parse_alternatives(raw, values, path, label, limits, probs)
     _check_kernel(values, key_lines, line, label, limits, probs)
@@ -611,7 +615,7 @@ class Registry:
         if not self.table(op, dtype) and dtype not in REQUIRED_DTYPES:
             raise NoBucketError(
                 f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on the "
-                f"sm90 family's fwd, dx and dw only)")
+                f"sm90 family's fwd, dx and dw only; tf32 on its fwd and dx)")
         raise NoBucketError(
             f"no {self.arch} bucket serves op {op} dtype {dtype} at M={m}, N={n}, K={k}; the "
             f"built-in table declares ops: {', '.join(self.ops) or 'none'}")

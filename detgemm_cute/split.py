@@ -48,11 +48,11 @@ TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 # ---------------------------------------------------------------------------------------
 # Which precision an fp32 GEMM runs at.
 #
-# "ieee" (full precision): the schemes above and below. "tf32": one product per pair on
-# tensor cores, hi_a * hi_b, where hi = fp16(x * s) is x rounded to 11 significant bits
-# (round to nearest even: TF32's precision; per-row scales as above give fp16 the range),
-# accumulated by the 16-bit tier's chain (not chunked) and unscaled. dW stays "ieee" (its
-# exact scheme keeps micro-batches one chain; per-row scales over tokens would not).
+# "ieee" (full precision): the schemes above and below. "tf32": no split at all: the kernel
+# reads the fp32 operands through TMA as TF32, which rounds each value to TF32 (10 fraction
+# bits, round to nearest, ties to even -- `tf32_round`), and TF32 WGMMA (k8 steps) runs the
+# chain of DESIGN fact 7 in 8-wide K blocks. dW stays "ieee" (its exact scheme keeps
+# micro-batches one chain).
 
 PRECISIONS = ("ieee", "tf32")
 _local = threading.local()
@@ -87,10 +87,22 @@ def precision() -> str:
         return "tf32" if matmul.allow_tf32 else "ieee"
 
 
-def hi_operand(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The tf32 precision's operand: fp16(x * scale) [rows, K], contiguous (one kernel)."""
-    out = torch.empty(x.shape, dtype=PART_DTYPE, device=x.device)
-    return torch.mul(x, scale.unsqueeze(1), out=out)
+def tf32_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to TF32 (the top 19 bits: sign, 8 exponent bits, 10 fraction
+    bits), round to nearest, ties to even, as TMA's TF32 tensor maps do on the H100; fp32
+    again. A value whose rounding passes the largest finite TF32 becomes Inf; Inf and NaN stay
+    as they are; subnormals round like any other value (no flush)."""
+    bits = x.contiguous().view(torch.int32)
+    odd = torch.bitwise_and(torch.bitwise_right_shift(bits, _TF32_DROP), 1)
+    up = torch.bitwise_and(bits + (_TF32_HALF - 1) + odd, _TF32_MASK)
+    finite = torch.bitwise_and(bits, _EXP_MASK) != _EXP_MASK
+    return torch.where(finite, up, bits).view(torch.float32)
+
+
+_TF32_DROP = 13  # fraction bits TF32 drops
+_TF32_HALF = 1 << (_TF32_DROP - 1)
+_TF32_MASK = -(1 << _TF32_DROP)
+_EXP_MASK = 0x7F800000
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -284,7 +296,7 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["PRECISIONS", "fp32_precision", "precision", "hi_operand", "row_scales", "parts",
+__all__ = ["PRECISIONS", "fp32_precision", "precision", "tf32_round", "row_scales", "parts",
            "operand", "operand_cuda", "exact_parts", "exact_operand", "exact_operand_cuda",
            "split_k", "scale_acc", "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K",
            "PART_DTYPE"]

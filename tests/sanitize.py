@@ -26,7 +26,8 @@ import detgemm_cute as dg
 from detgemm_cute import gemm as _gemm
 from detgemm_cute import registry
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "tf32": torch.float32}
 
 
 def edge_shapes(op, tile, quick: bool):
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     for b in buckets:
         for dt in args.dtypes.split(","):
             if dt in b.dtypes:
-                failures += run_bucket(b, DTYPES[dt], args.quick)
+                with dg.fp32_precision("tf32" if dt == "tf32" else "ieee"):
+                    failures += run_bucket(b, DTYPES[dt], args.quick)
     print(f"sanitize: {counter['n']} kernel launches over {len(buckets)} buckets "
           f"({args.ops}; {args.dtypes}); {len(failures)} output failures")
     for f in failures:

@@ -219,3 +219,29 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
         got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
                if b.group == f"{op}_{group}"}
         assert got == want, f"{op}_{group}"
+
+
+def test_builtin_tf32_buckets_follow_from_the_committed_records():
+    """The tf32 buckets (fwd and dx share them: the same GEMM once dx's weight is staged
+    K-major) are `tune-fit`'s selection from bench/results/tune/tune_tf32_*.json.gz, whose
+    records hold fwd and dx GEMMs alike as GEMM-dims problems (op fwd, `orig_op` kept)."""
+    from pathlib import Path
+
+    from detgemm_cute.tune.candidates import Candidate
+    from detgemm_cute.tune.fit_command import read_records
+    from detgemm_cute.tune.summary import all_fields, points_of
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
+    recs = read_records(sorted(root.glob("tune_tf32_*.json.gz")))
+    assert {r["orig_op"] for r in recs} == {"fwd", "dx"}
+    fields = all_fields(recs)
+    reg = R.get_registry("sm90")
+    for group, (lo, hi) in (("tf32_decode", (1, 127)), ("tf32", (128, None))):
+        pts = [p for p in points_of(recs, "fwd") if lo <= p.m and (hi is None or p.m <= hi)]
+        costs = choice.fit_all(pts, fields, 132, 8)
+        names = choice.select(pts, costs, 12)
+        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+        for op in ("fwd", "dx"):
+            got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
+                   if b.group == f"{op}_{group}"}
+            assert got == want, f"{op}_{group}"

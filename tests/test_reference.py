@@ -524,9 +524,10 @@ def _make_golden_module():
 def test_golden_problem_recipes_build():
     """The recipes make what they promise (zeros, subnormals, specials) on any machine."""
     mg = _make_golden_module()
-    names = [p["name"] for p in mg.PROBLEMS]
+    problems = mg.PROBLEMS + mg.TF32_PROBLEMS
+    names = [p["name"] for p in problems]
     assert len(names) == len(set(names))
-    for p in mg.PROBLEMS:
+    for p in problems:
         x, w, bias = mg.make_inputs(p)
         assert x.shape == (p["M"], p["K"]) and w.shape == (p["N"], p["K"])
         assert (bias is None) == (not p["bias"])
@@ -553,7 +554,8 @@ def test_golden_gpu_bits_are_reproduced(path):
             failures.append(f"{p['name']}: inputs regenerate differently (torch's CPU "
                             f"generator changed?); the golden file cannot be checked")
             continue
-        y = R.linear(x, w, bias, mg.DTYPES[p["out_dtype"]])
+        with mg.precision_of(p):
+            y = R.linear(x, w, bias, mg.DTYPES[p["out_dtype"]])
         checked += y.numel()
         rows = mg.row_hashes(y)
         bad = [i for i, (a, b) in enumerate(zip(rows, p["row_sha"])) if a != b]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 
 
@@ -21,3 +22,9 @@ def with_batch_mode(t: cute.Tensor) -> cute.Tensor:
     if cute.rank(t.layout) == 2:
         return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
+
+
+def as_tf32(t: cute.Tensor) -> cute.Tensor:
+    """An fp32 tensor's bits read as TF32 (the same layout, no copy): what TF32 TMA and
+    WGMMA take."""
+    return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=cutlass.TFloat32), t.layout)

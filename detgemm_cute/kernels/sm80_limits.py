@@ -55,9 +55,10 @@ def max_stages(tile: tuple[int, int, int]) -> int:
 def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
                  swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
-    if "fp32" in dtypes:
-        return [("dtypes", "the sm80 kernel family has no fp32 (split, chunked) kernel; "
-                           "fp32 buckets exist for sm90 only")]
+    for name in ("fp32", "tf32"):
+        if name in dtypes:
+            return [("dtypes", f"the sm80 kernel family has no {name} kernel; {name} buckets "
+                               f"exist for sm90 only")]
     problems = limits_common.tile_and_stage_problems(
         tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
     if tuple(cluster) != (1, 1):

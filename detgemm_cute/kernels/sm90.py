@@ -41,6 +41,10 @@ k tile is one chunk. Its WGMMA steps run onto a second register fragment that st
 nearest even) and the stage is released. The chunks are added in ascending K, so every
 output element is again one fixed chain, whatever the tile.
 
+TF32 operands (the fp32 tier's "tf32" precision): fp32 tensors, both K-major, are read through
+TF32 TMA tensor maps (each value rounded to TF32 on the way into shared memory) and
+multiplied by TF32 WGMMA, whose steps are 8 wide: the chain is the same with 8-wide blocks.
+
 Epilogue: optional bias is converted to fp32 and added to the fp32 accumulator, then each
 value is rounded once (round-to-nearest-even) to the output dtype and stored through shared
 memory with TMA.

@@ -17,7 +17,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive
 
 from . import sm90_limits
-from .operands import b_as_nk, with_batch_mode
+from .operands import as_tf32, b_as_nk, with_batch_mode
+from .tf32_mma import make_tf32_tiled_mma
 
 WG = 128  # threads per warpgroup
 EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
@@ -72,6 +73,12 @@ class Sm90Base:
         # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
         mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
             with_batch_mode(mC)
+        # fp32 operands run on TF32 tensor cores (the "tf32" precision): TMA reads them
+        # through TF32 tensor maps, which round each value to TF32 (nearest, ties to even),
+        # and WGMMA multiplies in 8-wide K steps.
+        self.tf32 = mA.element_type == cutlass.Float32
+        if cutlass.const_expr(self.tf32):
+            mA, mB = as_tf32(mA), as_tf32(mB)
 
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
@@ -80,10 +87,14 @@ class Sm90Base:
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
         self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        if cutlass.const_expr(self.tf32):
+            self.tiled_mma = make_tf32_tiled_mma(self.atom_layout_mnk,
+                                                 (64, self.tile_shape_mnk[1]))
+        else:
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype,
+                self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
 
         bm, bn, bk = self.tile_shape_mnk
@@ -239,7 +250,8 @@ class Sm90Base:
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage):
-        """One k tile: its 16-wide WGMMA steps in ascending K onto the accumulators."""
+        """One k tile: its 16-wide (TF32: 8-wide) WGMMA steps in ascending K onto the
+        accumulators."""
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             coord = (None, None, kb, stage)

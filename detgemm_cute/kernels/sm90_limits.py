@@ -25,6 +25,10 @@ SPLIT_TILE_K = 96
 # Chunked tiles keep two accumulator fragments (the sum and the chunk) per thread: at most
 # 64 x 128 per consumer warpgroup, so BN <= 128 and BM 128 runs on two warpgroups.
 SPLIT_TILE_N_MAX = 128
+# tf32 (fp32 operands read as TF32 by TMA and WGMMA, k8 steps): BK counts fp32 elements, so
+# 32 is one 128-byte swizzle row, as BK 64 is for 16-bit operands; both operands K-major.
+TF32_TILE_K = (32, 64)
+TF32_BYTES = 4
 CLUSTER_DIMS = (1, 2)
 MAX_CLUSTER_SIZE = 2
 STAGES = (2, 16)  # inclusive
@@ -70,18 +74,21 @@ PINGPONG_TILE_M = (64, 128)
 PINGPONG_TILE_N_MAX = {64: 256, 128: 192}
 
 
-def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False) -> int:
+def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False,
+               in_bytes: int = IN_BYTES) -> int:
     """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
-    buffer (its own region of the same size for every output dtype)."""
+    buffer (its own region of the same size for every output dtype). `in_bytes`: 2 for
+    16-bit operands (and the fp32 tier's parts), 4 for tf32."""
     bm, bn, bk = tile
     er, ec = epilogue_tile(bm, bn, bk == SPLIT_TILE_K, pingpong)
-    return (stages * (mma_rows(bm) + bn) * bk * IN_BYTES + BARRIER_BYTES
+    return (stages * (mma_rows(bm) + bn) * bk * in_bytes + BARRIER_BYTES
             + EPI_BYTES_PER_ROWCOL * er * ec)
 
 
-def max_stages(tile: tuple[int, int, int], pingpong: bool = False) -> int:
-    return limits_common.max_stages(tile, lambda t, s: smem_bytes(t, s, pingpong), STAGES,
-                                    SMEM_BYTES)
+def max_stages(tile: tuple[int, int, int], pingpong: bool = False,
+               in_bytes: int = IN_BYTES) -> int:
+    return limits_common.max_stages(tile, lambda t, s: smem_bytes(t, s, pingpong, in_bytes),
+                                    STAGES, SMEM_BYTES)
 
 
 # Extra bucket keys `detgemm-cute tune` tries (first value = the default).
@@ -93,16 +100,18 @@ SWAP_KEY = "swap_ab"
 def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
                  swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
-    split = "fp32" in dtypes
-    if split and len(dtypes) > 1:
-        return [("dtypes", f"fp32 buckets run the split (chunked) kernel with its own tile "
-                           f"rules: list fp32 alone, got {list(dtypes)}")]
+    split, tf32 = "fp32" in dtypes, "tf32" in dtypes
+    for name, rules in (("fp32", "the split (chunked) kernel"), ("tf32", "TF32 operands")):
+        if name in dtypes and len(dtypes) > 1:
+            return [("dtypes", f"{name} buckets run {rules} with its own tile rules: list "
+                               f"{name} alone, got {list(dtypes)}")]
     tile_n = tuple(n for n in TILE_N if n <= SPLIT_TILE_N_MAX) if split else TILE_N
-    tile_k = (SPLIT_TILE_K,) if split else TILE_K
+    tile_k = (SPLIT_TILE_K,) if split else TF32_TILE_K if tf32 else TILE_K
     tile_m = tuple(m for m in TILE_M if m >= 64) if split else TILE_M
+    in_bytes = TF32_BYTES if tf32 else IN_BYTES
     problems = limits_common.tile_and_stage_problems(
         tile, stages, (tile_m, tile_n, tile_k), STAGES,
-        lambda t, s: smem_bytes(t, s, pingpong is True), SMEM_BYTES)
+        lambda t, s: smem_bytes(t, s, pingpong is True, in_bytes), SMEM_BYTES)
     if not problems and tile[0] == 8 and tile[1] % 32:
         # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
         # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0

@@ -27,15 +27,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FULL_HEX_MAX = 128  # problems with at most this many outputs are also stored in full
 
 
-def P(name, seed, m, n, k, dtype="bf16", out="bf16", bias=False, tags=(), **recipe):
+def P(name, seed, m, n, k, dtype="bf16", out="bf16", bias=False, tags=(), precision=None,
+      **recipe):
     """One problem. Recipe keys (all optional), applied to x and weight:
     spread: exponents 2^randint(-spread, spread) per element; scale: 2^scale on all;
     zeros / neg_zeros / subnormals / specials: fractions of elements set to +0, -0, random
     subnormals, NaN/+Inf/-Inf; zero_rows: fraction of rows all +-0; cancel: fraction of
     K column pairs whose products cancel exactly. "x_" / "w_" prefixes set a key for one
-    operand only; "bias_" keys (bias_scale, bias_neg_zeros, ...) apply to the bias."""
-    return {"name": name, "seed": seed, "M": m, "N": n, "K": k, "dtype": dtype,
-            "out_dtype": out, "bias": bias, "tags": list(tags), "recipe": dict(recipe)}
+    operand only; "bias_" keys (bias_scale, bias_neg_zeros, ...) apply to the bias.
+    `precision` ("ieee" | "tf32", fp32 inputs only) is the fp32 precision it runs at."""
+    rec = {"name": name, "seed": seed, "M": m, "N": n, "K": k, "dtype": dtype,
+           "out_dtype": out, "bias": bias, "tags": list(tags), "recipe": dict(recipe)}
+    if precision:
+        rec["precision"] = precision
+    return rec
 
 
 PROBLEMS = [
@@ -83,6 +88,39 @@ PROBLEMS = [
     P("overflow_small_full", 45, 2, 8, 32, out="fp32", scale=110, tags=["special", "overflow"]),
 ]
 
+# fp32 inputs at precision "tf32" (TF32 rounding of the inputs, the chain in 8-wide blocks).
+TF32_PROBLEMS = [
+    P(name, seed, m, n, k, "fp32", out, bias, tags, "tf32", **recipe)
+    for name, seed, m, n, k, out, bias, tags, recipe in (
+        ("tf32_plain", 101, 64, 96, 256, "fp32", True, (), {}),
+        ("tf32_spread20", 102, 48, 80, 1024, "fp32", False, (), {"spread": 20}),
+        ("tf32_k1000_bias", 103, 33, 72, 1000, "fp32", True, (), {"spread": 3,
+                                                                  "bias_scale": 4}),
+        ("tf32_k13", 104, 17, 24, 13, "fp32", False, (), {"spread": 20}),
+        ("tf32_zeros", 105, 40, 64, 320, "fp32", False, (), {"spread": 6, "zeros": 0.3,
+                                                            "neg_zeros": 0.1}),
+        ("tf32_zero_rows", 106, 8, 16, 48, "fp32", True, (), {"x_zero_rows": 0.5,
+                                                             "neg_zeros": 0.2,
+                                                             "bias_neg_zeros": 0.5}),
+        ("tf32_subnormal", 107, 32, 64, 512, "fp32", False, (), {"spread": 10,
+                                                                "subnormals": 0.1}),
+        ("tf32_subnormal_lead", 108, 24, 40, 256, "fp32", False, (),
+         {"x_spread": 2, "x_scale": -124, "x_subnormals": 0.7, "w_spread": 12,
+          "w_scale": 90}),
+        ("tf32_tiny_acc", 109, 24, 40, 256, "fp32", False, (), {"spread": 4, "scale": -68}),
+        ("tf32_cancel", 110, 32, 48, 512, "fp32", False, (), {"spread": 16, "cancel": 0.6}),
+        ("tf32_near_max", 111, 16, 24, 64, "fp32", False, (), {"scale": 127, "spread": 1}),
+        ("tf32_special", 112, 32, 64, 256, "fp32", True, ("special",),
+         {"specials": 0.0008, "spread": 4}),
+        ("tf32_overflow", 113, 8, 32, 64, "fp32", False, ("special", "overflow"),
+         {"scale": 100, "spread": 4}),
+        ("tf32_small_full", 114, 4, 8, 40, "fp32", False, (), {"spread": 8,
+                                                              "subnormals": 0.2}),
+        ("tf32_bf16_out", 115, 40, 72, 640, "bf16", True, (), {"spread": 4}),
+    )
+
+]
+
 
 # ---------------------------------------------------------------------------------------
 # Inputs from recipes (CPU generators only: the same bits on every machine)
@@ -112,7 +150,7 @@ def _fill(shape, dtype, seed, part, r, prefix):
     big = torch.finfo(dtype).max
     x = x.clamp(-big, big).to(dtype)  # spreads never create infinities by accident
     tiny = torch.finfo(dtype).tiny
-    mant = {torch.bfloat16: 7, torch.float16: 10}[dtype]  # stored significand bits
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]  # stored bits
 
     def where(frac):
         return torch.rand(shape, generator=g) < frac
@@ -199,15 +237,27 @@ def hex_to_canonical(rows, dtype):
 # Running on the GPU
 
 
-def _bucket_names():
-    """Every forward bucket the library can force on this GPU, if it says which it has."""
+def precision_of(p):
+    """The fp32 precision problem p runs at (a no-op context for 16-bit problems)."""
+    import contextlib
+
+    import detgemm_cute
+
+    prec = p.get("precision")
+    return detgemm_cute.fp32_precision(prec) if prec else contextlib.nullcontext()
+
+
+def _bucket_names(dtype=None):
+    """Every forward bucket the library can force on this GPU (of `dtype` if given), if it
+    says which it has."""
     try:
         from detgemm_cute import gemm, registry
         arch = gemm.arch_of(torch.device("cuda"))
         buckets = registry.get_registry(arch).buckets
     except Exception:
         return []
-    return sorted({b.name for b in buckets if getattr(b, "op", "fwd") == "fwd"})
+    return sorted({b.name for b in buckets if getattr(b, "op", "fwd") == "fwd"
+                   and (dtype is None or dtype in b.dtypes)})
 
 
 def _force(name):
@@ -225,7 +275,8 @@ def run_problem(p, buckets, check_reference):
     x, w, bias = make_inputs(p)
     od = DTYPES[p["out_dtype"]]
     dev = lambda t: None if t is None else t.cuda()  # noqa: E731
-    out = detgemm_cute.linear(dev(x), dev(w), dev(bias), out_dtype=od).cpu()
+    with precision_of(p):
+        out = detgemm_cute.linear(dev(x), dev(w), dev(bias), out_dtype=od).cpu()
     rec = dict(p, input_sha=input_hash(x, w, bias), row_sha=row_hashes(out))
     if out.numel() <= FULL_HEX_MAX:
         rec["full_hex"] = full_hex(out)
@@ -235,7 +286,7 @@ def run_problem(p, buckets, check_reference):
         if ctx is None:
             break
         try:
-            with ctx:
+            with ctx, precision_of(p):
                 o = detgemm_cute.linear(dev(x), dev(w), dev(bias), out_dtype=od).cpu()
             rec["buckets"][name] = "same" if row_hashes(o) == rec["row_sha"] else "DIFFERS"
         except Exception as e:  # a bucket may reject a shape; record, do not stop
@@ -243,7 +294,8 @@ def run_problem(p, buckets, check_reference):
     if check_reference:
         from detgemm_cute import reference
 
-        r = reference.verify(x, w, out, bias)
+        with precision_of(p):
+            r = reference.verify(x, w, out, bias)
         rec["reference"] = "ok" if r.ok else str(r)
     return rec
 
@@ -257,6 +309,9 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true",
                     help="do not also compare with detgemm_cute.reference here")
     ap.add_argument("--only", default=None, help="comma-separated problem names")
+    ap.add_argument("--set", default="main", choices=("main", "tf32"),
+                    help="which problem list: the 16-bit/fp32 one (golden_<gpu>.json) or the "
+                         "tf32 one (golden_<gpu>_tf32.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("make_golden.py needs a CUDA GPU")
@@ -271,11 +326,11 @@ def main(argv=None):
     elif args.buckets:
         buckets = args.buckets.split(",")
     else:
-        buckets = _bucket_names()
-    probs = PROBLEMS
+        buckets = _bucket_names("tf32" if args.set == "tf32" else None)
+    probs = TF32_PROBLEMS if args.set == "tf32" else PROBLEMS
     if args.only:
         keep = set(args.only.split(","))
-        probs = [p for p in PROBLEMS if p["name"] in keep]
+        probs = [p for p in probs if p["name"] in keep]
     gpu = torch.cuda.get_device_name()
     cap = torch.cuda.get_device_capability()
     doc = {"format": FORMAT, "generated_by": "tests/golden/make_golden.py",
@@ -295,7 +350,8 @@ def main(argv=None):
               f"not-same={flags[:3]}", flush=True)
     slug = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"golden_{slug}.json")
+    suffix = "_tf32" if args.set == "tf32" else ""
+    path = os.path.join(args.out, f"golden_{slug}{suffix}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=0, separators=(",", ":"))
     print(f"wrote {path} ({os.path.getsize(path)} bytes); {bad} problem(s) with a mismatch")

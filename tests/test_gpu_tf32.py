@@ -1,0 +1,204 @@
+"""fp32 inputs at precision "tf32" on the GPU (SM90 TF32 kernels).
+
+The kernels read fp32 operands through TF32 TMA tensor maps (each value rounded to TF32)
+and run TF32 WGMMA; the CPU reference models that chain (`split.tf32_round`, 8-wide blocks).
+Bits against the reference (layouts, K tails, bias, output dtypes, edge values), every tf32
+bucket forced, rows invariant at every M and under chunking, graphs, autograd, the mode, and
+accuracy next to cuBLAS TF32."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the tf32 kernels are SM90 only", allow_module_level=True)
+
+import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import reference, registry, split  # noqa: E402
+from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
+from gpu_helpers import SWEEP_M, poison, rel_err, same_bits  # noqa: E402
+
+DEV = "cuda"
+F32 = torch.float32
+
+
+@pytest.fixture(autouse=True)
+def tf32():
+    with dg.fp32_precision("tf32"):
+        yield
+
+
+def rand(*shape, g=None, spread=0):
+    x = torch.randn(*shape, device=DEV, dtype=F32, generator=g)
+    if spread:
+        e = torch.randint(-spread, spread + 1, shape, device=DEV, generator=g).to(F32)
+        x = x * torch.exp2(e)
+    return x
+
+
+def ref_linear(x, w, bias=None, out_dtype=None):
+    return reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(), out_dtype)
+
+
+def tf32_buckets():
+    return [b for b in registry.get_registry("sm90").buckets if "tf32" in b.dtypes]
+
+
+# (the CPU reference costs M * N * K / 8 block steps: shapes stay below ~50M products)
+@pytest.mark.parametrize("m,n,k", [(1, 256, 64), (7, 130, 40), (100, 264, 13), (300, 136, 777),
+                                   (1000, 96, 512), (2100, 64, 136)])
+@pytest.mark.parametrize("spread", [0, 20])
+def test_linear_matches_reference_bits(m, n, k, spread):
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + n + k)
+    x, w, bias = rand(m, k, g=g, spread=spread), rand(n, k, g=g, spread=spread), rand(n, g=g)
+    poison()
+    y = dg.linear(x, w, bias)
+    assert y.dtype == F32
+    assert same_bits(y.cpu(), ref_linear(x, w, bias))
+
+
+def test_layouts_are_staged_to_the_same_bits():
+    """mm with B [K, N] row-major, A as a transposed view, unaligned K: the op layer stages
+    K-major copies, the bits are those of the reference."""
+    g = torch.Generator(device=DEV).manual_seed(4)
+    a, b = rand(300, 277, g=g), rand(277, 136, g=g)
+    want = reference.mm(a.cpu(), b.cpu())
+    assert same_bits(dg.mm(a, b).cpu(), want)
+    assert same_bits(dg.mm(a.t().contiguous().t(), b).cpu(), want)
+    assert same_bits(dg.mm(a, b.t().contiguous().t()).cpu(), want)
+    assert same_bits(dg.addmm(b[0, :], a, b).cpu(), want + b[0, :].cpu())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_output_is_one_rounding(out_dtype):
+    x, w = rand(200, 300), rand(136, 300)
+    assert same_bits(dg.linear(x, w, out_dtype=out_dtype), dg.linear(x, w).to(out_dtype))
+
+
+@pytest.mark.parametrize("bucket", [b.name for b in tf32_buckets()])
+def test_every_tf32_bucket_same_bits(bucket):
+    x, w, bias = rand(333, 400, spread=8), rand(136, 400), rand(136)
+    b = next(b for b in tf32_buckets() if b.name == bucket)
+    poison()
+    with dg.force_bucket(bucket):
+        if b.op == "fwd":
+            y, want = dg.linear(x, w, bias), ref_linear(x, w, bias)
+        else:
+            y, want = dg.input_grad(x, w.t().contiguous()), ref_linear(x, w)
+    assert same_bits(y.cpu(), want)
+
+
+def test_batch_invariance_every_m_and_chunks():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x, w = rand(10097, 1024, g=g), rand(1536, 1024, g=g)
+    full = dg.linear(x, w)
+    for m in SWEEP_M:
+        poison()
+        assert same_bits(dg.linear(x[:m], w), full[:m]), f"rows differ at M={m}"
+    chunks = torch.cat([dg.linear(c, w) for c in x.split(777)])
+    assert same_bits(chunks, full)
+    dx_full = dg.input_grad(x[:, :1536].contiguous(), w)
+    for m in (1, 17, 300, 2048):
+        assert same_bits(dg.input_grad(x[:m, :1536].contiguous(), w), dx_full[:m])
+
+
+def test_run_to_run_and_graphs():
+    x, w = rand(1000, 2048), rand(2048, 2048)
+    first = dg.linear(x, w)
+    assert same_bits(dg.linear(x, w), first)
+    out = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(dg.linear(x, w))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, first)
+
+
+def test_volume_one_million_outputs_match_reference():
+    g = torch.Generator(device=DEV).manual_seed(11)
+    x, w, bias = rand(1024, 40, g=g, spread=20), rand(1040, 40, g=g, spread=4), rand(1040, g=g)
+    y = dg.linear(x, w, bias)
+    assert y.numel() >= 1_000_000
+    assert same_bits(y.cpu(), ref_linear(x, w, bias))
+
+
+def test_edge_values_match_reference():
+    """Ties of the TF32 rounding, subnormals, values that round past the largest finite TF32,
+    Inf and NaN: the kernel's bits are the reference's (NaN payloads aside)."""
+    g = torch.Generator().manual_seed(9)
+    top = torch.randint(0, 1 << 18, (64, 96), generator=g, dtype=torch.int32) << 13
+    exp = torch.randint(100, 150, (64, 96), generator=g, dtype=torch.int32) << 23
+    ties = ((top & ~0x7F800000) | exp | 0x1000).view(F32)  # low 13 bits exactly half an ulp
+    w = torch.randn(72, 96, generator=g)
+    x = ties.clone()
+    x[1] = torch.randn(96, generator=g) * 2.0 ** -130  # subnormals
+    x[2] = (torch.tensor(0x7F7FF000, dtype=torch.int32)
+            + torch.randint(0, 0x1000, (96,), generator=g, dtype=torch.int32)).view(F32)
+    x[3, 5], x[4, 0], w[7, 2] = float("inf"), float("nan"), float("-inf")
+    want = ref_linear(x, w)
+    y = dg.linear(x.cuda(), w.cuda()).cpu()
+    assert same_bits_nan(y, want)
+    eye = torch.eye(96)  # the inputs themselves, through the chain (Inf * 0 is NaN)
+    assert same_bits_nan(dg.linear(x.cuda(), eye.cuda()).cpu(), ref_linear(x, eye))
+
+
+def test_error_next_to_cublas_tf32():
+    g = torch.Generator(device=DEV).manual_seed(2)
+    a, b = rand(512, 4096, g=g), rand(4096, 512, g=g)
+    ref = a.double() @ b.double()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        cublas = a @ b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    ours = dg.mm(a, b)
+    assert rel_err(ours, ref) < 1.1 * rel_err(cublas, ref) and rel_err(ours, ref) < 1e-3
+
+
+def test_torch_flag_selects_tf32():
+    x, w = rand(64, 256), rand(96, 256)
+    want = dg.linear(x, w)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with _no_override():
+            assert same_bits(dg.linear(x, w), want)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    with dg.fp32_precision("ieee"):
+        assert not same_bits(dg.linear(x, w), want)
+
+
+class _no_override:
+    """Drop this thread's fp32_precision override for a block (torch's flag decides)."""
+
+    def __enter__(self):
+        self.prev = getattr(split._local, "precision", None)
+        split._local.precision = None
+
+    def __exit__(self, *exc):
+        split._local.precision = self.prev
+
+
+def test_nn_linear_and_mode():
+    """Autograd: dX on the tf32 kernels, dW at full precision (exact parts); the mode routes
+    fp32 matmuls to the tf32 kernels."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 192).cuda()
+    mod = dg.nn.Linear.from_linear(lin)
+    x = torch.randn(40, 256, device=DEV, requires_grad=True)
+    y = mod(x)
+    assert same_bits(y.cpu(), ref_linear(x.detach(), lin.weight.detach(), lin.bias.detach()))
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    assert same_bits(x.grad.cpu(), reference.mm(gy.cpu(), lin.weight.detach().cpu()))
+    want_dw = reference.chain(gy.t().cpu(), x.detach().cpu(), op="dw")
+    assert same_bits(mod.weight.grad.cpu(), want_dw)
+    a, b = rand(300, 512), rand(512, 200)
+    with dg.batch_invariant_mode(strict=True):
+        z = a @ b
+    assert same_bits(z.cpu(), reference.mm(a.cpu(), b.cpu()))

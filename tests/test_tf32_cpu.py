@@ -1,0 +1,117 @@
+"""The "tf32" precision on the CPU: TF32 rounding of the inputs, the chain in 8-wide blocks
+(the reference the GPU's TF32 kernels are checked against), the tf32 bucket rules and that
+the tf32 kernels build without a GPU."""
+
+import math
+
+import pytest
+import torch
+
+import detgemm_cute as dg
+from detgemm_cute import reference as R
+from detgemm_cute import registry, split
+from detgemm_cute.kernels import sm80_limits, sm90_limits
+
+F32 = torch.float32
+
+
+def f32(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(F32)
+
+
+def test_tf32_round_nearest_ties_to_even():
+    one = 0x3F800000
+    x = f32([one, one + 0x0FFF, one + 0x1000, one + 0x1001, one + 0x3000, one + 0x2000,
+             one | (1 << 31) | 0x3000])
+    want = f32([one, one, one, one + 0x2000, one + 0x4000, one + 0x2000,
+                (one | (1 << 31)) + 0x4000])
+    assert torch.equal(split.tf32_round(x).view(torch.int32), want.view(torch.int32))
+
+
+def test_tf32_round_specials_subnormals_and_overflow():
+    x = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 3.4028234663852886e38,
+                      -3.4028234663852886e38, 1e-40])
+    y = split.tf32_round(x)
+    assert y[0] == math.inf and y[1] == -math.inf and math.isnan(y[2])
+    assert R.same_bits(y[3:5], x[3:5])  # signed zeros kept
+    assert y[5] == math.inf and y[6] == -math.inf  # past the largest TF32: Inf
+    b = y[7:].view(torch.int32).item()
+    assert b & 0x1FFF == 0 and abs(y[7].item() - 1e-40) <= 2.0 ** -136  # subnormals round too
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert (split.tf32_round(t).view(torch.int32) & 0x1FFF == 0).all()
+    assert ((split.tf32_round(t) - t).abs() <= t.abs() * 2.0 ** -11).all()
+
+
+def test_chain_runs_in_8_wide_blocks():
+    """2^30 - 2^30 in K 0..1 and 1 at K 9: in 8-wide blocks the first block sums to 0 and the
+    second adds 1 exactly; one 16-wide block (the 16-bit chain) aligns every term to 2^30's
+    exponent, truncating the 1 away before the cancellation."""
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1], x[0, 9] = 2.0 ** 30, -(2.0 ** 30), 1.0
+    w = torch.ones(1, 16)
+    with dg.fp32_precision("tf32"):
+        assert R.linear(x, w).item() == 1.0
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    assert R.linear(xb, wb, out_dtype=F32).item() == 0.0
+    x[0, 9], x[0, 7] = 0.0, 1.0  # the 1 in the first block: truncated in 8-wide blocks too
+    with dg.fp32_precision("tf32"):
+        assert R.linear(x, w).item() == 0.0
+
+
+def test_tf32_rows_invariant_and_error_level():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(50, 700, generator=g), torch.randn(40, 700, generator=g)
+    with dg.fp32_precision("tf32"):
+        y = dg.linear(x, w)
+        for rows in (slice(0, 1), slice(3, 30), slice(49, 50)):
+            assert R.same_bits(dg.linear(x[rows], w), y[rows])
+        assert R.same_bits(R.chain(x, w.t(), op="fwd", precision="tf32"), y)
+    ref = x.double() @ w.double().t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert 1e-5 < err < 1e-3
+    # the chain is that of the TF32-rounded inputs, not of the fp32 inputs
+    xr, wr = split.tf32_round(x), split.tf32_round(w)
+    with dg.fp32_precision("tf32"):
+        assert R.same_bits(dg.linear(xr, wr), y)
+
+
+def test_tf32_bucket_rules():
+    assert sm90_limits.check_config((128, 192, 32), (2, 1), 4, True, dtypes=("tf32",)) == []
+    assert sm90_limits.check_config((16, 64, 32), (1, 1), 13, False, dtypes=("tf32",)) == []
+    assert sm90_limits.check_config((128, 128, 64), (1, 1), 3, True, dtypes=("tf32",)) == []
+    # 4-byte operands: 128x256x32 fits 4 stages, not 5
+    assert sm90_limits.check_config((128, 256, 32), (1, 1), 4, True, dtypes=("tf32",)) == []
+    assert sm90_limits.check_config((128, 256, 32), (1, 1), 5, True, dtypes=("tf32",))
+    assert sm90_limits.max_stages((128, 256, 32), in_bytes=4) == 4
+    assert sm90_limits.check_config((128, 128, 96), (1, 1), 3, False, dtypes=("tf32",))
+    assert sm90_limits.check_config((128, 128, 32), (1, 1), 4, False, dtypes=("bf16", "tf32"))
+    assert sm80_limits.check_config((128, 128, 32), (1, 1), 3, False, dtypes=("tf32",))
+    reg = registry.get_registry("sm90")
+    assert {b.op for b in reg.buckets if "tf32" in b.dtypes} == set(registry.TF32_OPS)
+    for m in (1, 100, 777, 5000):
+        assert reg.lookup("fwd", "tf32", m, 4096, 4096).tile[2] in sm90_limits.TF32_TILE_K
+
+
+def test_tf32_dw_bucket_is_refused(tmp_path):
+    p = tmp_path / "dw_tf32.yaml"
+    p.write_text("arch: sm90\nbuckets:\n  - name: dw_tf32\n    op: dw\n    dtypes: [tf32]\n"
+                 "    m: [1, null]\n    tile: [128, 128, 32]\n    stages: 4\n")
+    with pytest.raises(registry.ConfigError, match="no tf32 kernel"):
+        registry.load_config(p)
+
+
+def test_tf32_kernels_compile_on_cpu_with_tf32_wgmma(tmp_path):
+    pytest.importorskip("cutlass")
+    from detgemm_cute import aot, compile as kcompile
+
+    b = next(b for b in registry.get_registry("sm90").buckets if "tf32" in b.dtypes)
+    for call in aot._tf32_variants(b, "core"):
+        fn = kcompile.build(kcompile.KernelKey.for_bucket(b, arch="sm_90a", **call),
+                            f"--keep-ptx --dump-dir={tmp_path}")
+        assert aot.audit_ptx(fn.__ptx__ or "", "sm90", "tf32") == []
+    bf16 = next(b for b in registry.get_registry("sm90").buckets if "bf16" in b.dtypes)
+    fn = kcompile.build(kcompile.KernelKey.for_bucket(
+        bf16, arch="sm_90a", dtype="bf16", out_dtype="bf16", a_major="k", b_form="nk",
+        b_contig="last", has_bias=False), f"--keep-ptx --dump-dir={tmp_path}")
+    assert aot.audit_ptx(fn.__ptx__ or "", "sm90", "tf32") == [
+        "missing wgmma.mma_async ... .f32.tf32.tf32"]
