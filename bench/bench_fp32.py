@@ -70,35 +70,59 @@ def split_both(x, w):
 
 
 def make_sets(m, k, n, l2):
-    nbytes = 4 * (m * k + n * k + m * n)
-    return [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
-            for _ in range(n_sets_for(nbytes, l2, QUICK_PLAN))]
+    """(x [M, K], w [N, K], dy [M, N]) sets, fresh random numbers."""
+    nbytes = 4 * (m * k + n * k + 2 * m * n)
+    return [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"),
+             torch.randn(m, n, device="cuda")) for _ in range(n_sets_for(nbytes, l2, QUICK_PLAN))]
 
 
-def run_speed(rows, cap_stream, log):
+def tf32_input_grad(dy, w):
+    with dg.fp32_precision("tf32"):
+        return dg.input_grad(dy, w)
+
+
+def same_tf32_bits(s):
+    """detgemm "tf32" vs cuBLAS TF32 on one set: (fwd same bits, dx same bits)."""
+    fwd = torch.equal(tf32_linear(s[0], s[1]).view(torch.int32),
+                      sgemm(s[0], s[1], True).view(torch.int32))
+    dx = torch.equal(tf32_input_grad(s[2], s[1]).view(torch.int32),
+                     mm_tf32(s[2], s[1], True).view(torch.int32))
+    return fwd, dx
+
+
+TF32_UNITS = {"detgemm_tf32": lambda s: tf32_linear(s[0], s[1]),
+              "cublas_tf32": lambda s: sgemm(s[0], s[1], True),
+              "detgemm_tf32_dx": lambda s: tf32_input_grad(s[2], s[1]),
+              "cublas_tf32_dx": lambda s: mm_tf32(s[2], s[1], True)}
+IEEE_UNITS = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]),
+              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
+              "split_only": lambda s: split_both(s[0], s[1])}
+
+
+def run_speed(rows, cap_stream, log, tf32_only=False):
+    """Per (M, K, N): both precisions and their cuBLAS peers (`tf32_only`: the tf32 ones)."""
     out = []
     l2 = gpu.l2_bytes()
+    units = dict(TF32_UNITS) if tf32_only else {**IEEE_UNITS, **TF32_UNITS}
     for m, k, n in rows:
         sets = make_sets(m, k, n, l2)
-        units = {"detgemm_fp32": lambda s: dg.linear(*s),
-                 "detgemm_tf32": lambda s: tf32_linear(*s),
-                 "cublas_sgemm": lambda s: sgemm(*s, False),
-                 "cublas_tf32": lambda s: sgemm(*s, True),
-                 "split_only": lambda s: split_both(*s)}
         t = time_units(units, sets, QUICK_PLAN, cap_stream)
         us = {name: r.get("us") for name, r in t.items()}
         row = {"M": m, "K": k, "N": n, **{f"{kk}_us": v for kk, v in us.items()}}
+        row["tf32_same_bits_fwd"], row["tf32_same_bits_dx"] = same_tf32_bits(sets[0])
+        if us["detgemm_tf32_dx"] and us["cublas_tf32_dx"]:
+            row["tf32_dx_vs_cublas_tf32"] = us["cublas_tf32_dx"] / us["detgemm_tf32_dx"]
         flops = 2.0 * m * n * k
-        if us["detgemm_fp32"]:
+        if us.get("detgemm_fp32"):
             row["detgemm_tflops"] = flops / us["detgemm_fp32"] / 1e6
             for peer in ("cublas_sgemm", "cublas_tf32"):
                 if us[peer]:
                     row[f"vs_{peer}"] = us[peer] / us["detgemm_fp32"]
         if us["detgemm_tf32"] and us["cublas_tf32"]:
             row["tf32_vs_cublas_tf32"] = us["cublas_tf32"] / us["detgemm_tf32"]
-        log(f"{m}x{k}x{n}: detgemm {us['detgemm_fp32']} us, sgemm {us['cublas_sgemm']} us, "
-            f"tf32 {us['cublas_tf32']} us, split {us['split_only']} us -> "
-            f"{row.get('vs_cublas_sgemm', 0):.2f}x sgemm")
+        log(f"{m}x{k}x{n}: fp32 {us.get('detgemm_fp32')} us, sgemm {us.get('cublas_sgemm')} us; "
+            f"tf32 {us['detgemm_tf32']} vs cuBLAS {us['cublas_tf32']} us, dx "
+            f"{us['detgemm_tf32_dx']} vs {us['cublas_tf32_dx']} us")
         out.append(row)
         del sets
     return out
@@ -209,6 +233,40 @@ def geomean(vals):
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
 
 
+def tf32_section(speed, f) -> list[str]:
+    """Markdown of precision "tf32" (the TF32 kernels) vs cuBLAS TF32, fwd and dx."""
+    big = [r for r in speed if r["M"] >= 512]
+
+    def g(rows, key):
+        v = geomean([r.get(key) for r in rows])
+        return "-" if v is None else f"{v:.3f}x"
+
+    def same(key):
+        rows = [r for r in speed if key in r]
+        return f"{sum(bool(r[key]) for r in rows)}/{len(rows)}"
+
+    lines = ["", "## Precision \"tf32\" (TF32 kernels) vs cuBLAS TF32", "",
+             "fwd = `F.linear(x, w)`, dx = `dY @ W` (W staged K-major inside detgemm, timed); "
+             "`same bits`: detgemm's output equals cuBLAS TF32's bit for bit on the first "
+             "input set.", "",
+             f"Geomean: fwd {g(speed, 'tf32_vs_cublas_tf32')} (M >= 512: "
+             f"{g(big, 'tf32_vs_cublas_tf32')}); dx {g(speed, 'tf32_dx_vs_cublas_tf32')} "
+             f"(M >= 512: {g(big, 'tf32_dx_vs_cublas_tf32')}). Same bits as cuBLAS TF32: "
+             f"fwd {same('tf32_same_bits_fwd')}, dx {same('tf32_same_bits_dx')} rows.", "",
+             "| M | K | N | fwd | cuBLAS TF32 | speed | same bits | dx | cuBLAS TF32 dx | speed "
+             "| same bits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    yn = {True: "yes", False: "no", None: "-"}
+    for r in speed:
+        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('detgemm_tf32_us'))} | "
+                     f"{f(r.get('cublas_tf32_us'))} | "
+                     f"{f(r.get('tf32_vs_cublas_tf32'), '{:.2f}')} | "
+                     f"{yn[r.get('tf32_same_bits_fwd')]} | {f(r.get('detgemm_tf32_dx_us'))} | "
+                     f"{f(r.get('cublas_tf32_dx_us'))} | "
+                     f"{f(r.get('tf32_dx_vs_cublas_tf32'), '{:.2f}')} | "
+                     f"{yn[r.get('tf32_same_bits_dx')]} |")
+    return lines
+
+
 def write_report(out_dir, meta, speed, acc, cands, dw=()):
     slug = device_slug(meta["device"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,20 +282,18 @@ def write_report(out_dir, meta, speed, acc, cands, dw=()):
              f"Geomean speed vs SGEMM (TF32 off): {g_s:.2f}x over {len(speed)} shapes; "
              f"M >= 512: {geomean([r.get('vs_cublas_sgemm') for r in big]):.2f}x. "
              f"vs cuBLAS TF32: {g_t:.2f}x.", "",
-             f"detgemm at precision \"tf32\" vs cuBLAS TF32: geomean "
-             f"{geomean([r.get('tf32_vs_cublas_tf32') for r in speed]):.2f}x; M >= 512: "
-             f"{geomean([r.get('tf32_vs_cublas_tf32') for r in big]):.2f}x.", "",
+             "## Precision \"ieee\" (full precision) vs cuBLAS SGEMM (TF32 off)", "",
              "| M | K | N | detgemm fp32 | split alone | SGEMM | TF32 | TFLOP/s | vs SGEMM "
-             "| vs TF32 | detgemm tf32 | tf32 vs TF32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs TF32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p="{:.1f}": "-" if v is None else p.format(v)  # noqa: E731
     for r in speed:
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('detgemm_fp32_us'))} | "
                      f"{f(r.get('split_only_us'))} | {f(r.get('cublas_sgemm_us'))} | "
                      f"{f(r.get('cublas_tf32_us'))} | {f(r.get('detgemm_tflops'))} | "
                      f"{f(r.get('vs_cublas_sgemm'), '{:.2f}')} | "
-                     f"{f(r.get('vs_cublas_tf32'), '{:.2f}')} | {f(r.get('detgemm_tf32_us'))} | "
-                     f"{f(r.get('tf32_vs_cublas_tf32'), '{:.2f}')} |")
+                     f"{f(r.get('vs_cublas_tf32'), '{:.2f}')} |")
+    lines += tf32_section(speed, f)
     lines += ["", "## Accuracy: relative error vs fp64 (512 x K x 512, randn)", "",
               "| K | detgemm fp32 | SGEMM (TF32 off) | detgemm tf32 | cuBLAS TF32 |",
               "|---|---|---|---|---|"]
@@ -271,6 +327,8 @@ def write_report(out_dir, meta, speed, acc, cands, dw=()):
         fig, ax = plt.subplots(figsize=(9, 4))
         ax.plot([r.get("vs_cublas_sgemm") for r in speed], "o", label="vs SGEMM (TF32 off)")
         ax.plot([r.get("vs_cublas_tf32") for r in speed], "x", label="vs cuBLAS TF32")
+        ax.plot([r.get("tf32_vs_cublas_tf32") for r in speed], "+",
+                label="precision tf32 vs cuBLAS TF32 (fwd)")
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.set_xlabel("shape (table order)")
         ax.set_ylabel("speed-up (>1: detgemm faster)")
@@ -282,12 +340,36 @@ def write_report(out_dir, meta, speed, acc, cands, dw=()):
     return stem
 
 
+def heldout_shapes():
+    """(M, K, N) of the prefill-heldout suite (one M per public model weight, M 200..14000)."""
+    from detgemm_cute.benchlib.suites import suite_problems
+
+    return [(p.m, p.k, p.n) for p in suite_problems("prefill-heldout", ("fwd",))]
+
+
+def write_heldout(out_dir, meta, speed):
+    stem = out_dir / f"fp32-tf32-heldout_{device_slug(meta['device'])}"
+    stem.with_suffix(".json").write_text(json.dumps({"device": meta, "speed": speed}, indent=1,
+                                                    default=json_default))
+    f = lambda v, p="{:.1f}": "-" if v is None else p.format(v)  # noqa: E731
+    lines = [f"# precision \"tf32\" vs cuBLAS TF32 on held-out shapes ({meta['device']})", "",
+             f"torch {torch.__version__}; one run; CUDA-graph medians; times in us. Shapes: the "
+             "prefill-heldout suite (83 public model weights, M 200..14000), which the tf32 "
+             "buckets' fit did not see."] + tf32_section(speed, f)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--candidates", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--tf32-heldout", action="store_true",
+                    help="also time precision tf32 (fwd, dx) on the prefill-heldout suite's "
+                         "shapes (M the tf32 buckets were not fitted on) -> "
+                         "fp32-tf32-heldout_<gpu>.md/.json")
     args = ap.parse_args()
     err, _ = gpu.gpu_check()
     if err:
@@ -302,6 +384,9 @@ def main():
     dw = [] if args.no_speed else run_dw(cap, log)
     stem = write_report(Path(args.out), meta, speed, acc, cands, dw)
     log(f"wrote {stem}.md/.json")
+    if args.tf32_heldout:
+        held = run_speed(heldout_shapes(), cap, log, tf32_only=True)
+        log(f"wrote {write_heldout(Path(args.out), meta, held)}.md/.json")
     if speed:
         log(f"geomean vs SGEMM {geomean([r.get('vs_cublas_sgemm') for r in speed]):.3f}, "
             f"vs TF32 {geomean([r.get('vs_cublas_tf32') for r in speed]):.3f}; tf32 vs "
