@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import amp
+from . import amp, split
 from .functional import linear as _linear
 
 _FP32 = torch.float32
@@ -132,6 +132,7 @@ class _LinearMainGrad(torch.autograd.Function):
         ctx.save_for_backward(x if weight.requires_grad else None,
                               cw if ctx.needs_input_grad[0] else None)
         ctx.dtype = cw.dtype
+        ctx.fp32_precision = split.forward_precision(cw.dtype)  # backward runs at it too
         return torch.ops.detgemm.linear(x, cw, cb, None)
 
     @staticmethod
@@ -141,7 +142,8 @@ class _LinearMainGrad(torch.autograd.Function):
         g = grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
+            with split.at_precision(ctx.fp32_precision):
+                gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
         if ctx.defer is not None:
             ctx.defer(g, x)  # dW and db later, in a rank-ordered chain
             return gx, None, None, None, None

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import amp, grads
+from . import amp, grads, split
 from .errors import check_gemm_args
 from .gemm import gemm
 
@@ -170,6 +170,7 @@ def _save_pair(ctx, first, second, i_first: int):
     """Save each GEMM operand only if the other one's gradient is needed: dX needs only
     the weight, dW only the input."""
     ctx.in_dtype, ctx.second_dtype = first.dtype, second.dtype
+    ctx.fp32_precision = split.forward_precision(first.dtype)  # backward runs at it too
     ctx.save_for_backward(first if _needs(ctx, i_first + 1) else None,
                           second if _needs(ctx, i_first) else None)
 
@@ -184,8 +185,9 @@ def _setup_linear(ctx, inputs, output):
 def _backward_linear(ctx, grad):
     x, weight = ctx.saved_tensors
     g = _grad_in(grad, ctx.in_dtype)
-    gx = torch.ops.detgemm.input_grad(g, weight, ctx.in_dtype) if _needs(ctx, 0) else None
-    gw = torch.ops.detgemm.weight_grad(g, x, ctx.second_dtype) if _needs(ctx, 1) else None
+    with split.at_precision(ctx.fp32_precision):
+        gx = torch.ops.detgemm.input_grad(g, weight, ctx.in_dtype) if _needs(ctx, 0) else None
+        gw = torch.ops.detgemm.weight_grad(g, x, ctx.second_dtype) if _needs(ctx, 1) else None
     gb = None
     if ctx.has_bias and _needs(ctx, 2):
         gb = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype)
@@ -200,10 +202,11 @@ def _mm_grads(ctx, grad, first):
     """Gradients of a [M, K] @ b [K, N]: da = g b^T (a dx GEMM), db = a^T g (a dW GEMM)."""
     a, b = ctx.saved_tensors
     g = _grad_in(grad, ctx.in_dtype)
-    ga = (torch.ops.detgemm.input_grad(g, b.t(), ctx.in_dtype) if _needs(ctx, first)
-          else None)
-    gb = (torch.ops.detgemm.weight_grad(a, g, ctx.second_dtype) if _needs(ctx, first + 1)
-          else None)
+    with split.at_precision(ctx.fp32_precision):
+        ga = (torch.ops.detgemm.input_grad(g, b.t(), ctx.in_dtype) if _needs(ctx, first)
+              else None)
+        gb = (torch.ops.detgemm.weight_grad(a, g, ctx.second_dtype) if _needs(ctx, first + 1)
+              else None)
     return g, ga, gb
 
 

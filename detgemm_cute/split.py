@@ -61,8 +61,8 @@ _local = threading.local()
 @contextlib.contextmanager
 def fp32_precision(precision: str):
     """Run the fp32 GEMMs of this thread at `precision` ("ieee" or "tf32"), whatever
-    ``torch.backends.cuda.matmul`` says. The choice is read when each op runs (a backward
-    pass outside the block follows the torch setting)."""
+    ``torch.backends.cuda.matmul`` says. The choice is read when each op runs; a backward
+    runs at the precision its forward ran at, wherever and whenever it runs."""
     if precision not in PRECISIONS:
         raise ValueError(f"fp32_precision: precision must be one of {PRECISIONS}, got "
                          f"{precision!r}")
@@ -72,6 +72,19 @@ def fp32_precision(precision: str):
         yield
     finally:
         _local.precision = prev
+
+
+def forward_precision(dtype: torch.dtype) -> str | None:
+    """What an autograd op saves at forward time for its backward: this thread's precision
+    for fp32 inputs, else None. (A backward may run on another thread -- autograd's device
+    threads -- where a `fp32_precision` block of the forward's is not in force.)"""
+    return precision() if dtype == torch.float32 else None
+
+
+def at_precision(saved: str | None):
+    """The context a backward runs its GEMMs in: the forward's precision (`saved`), or no
+    change (16-bit inputs)."""
+    return fp32_precision(saved) if saved else contextlib.nullcontext()
 
 
 def precision() -> str:
@@ -296,7 +309,8 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["PRECISIONS", "fp32_precision", "precision", "tf32_round", "row_scales", "parts",
+__all__ = ["PRECISIONS", "fp32_precision", "precision", "forward_precision", "at_precision",
+           "tf32_round", "row_scales", "parts",
            "operand", "operand_cuda", "exact_parts", "exact_operand", "exact_operand_cuda",
            "split_k", "scale_acc", "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K",
            "PART_DTYPE"]

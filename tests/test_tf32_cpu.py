@@ -115,3 +115,28 @@ def test_tf32_kernels_compile_on_cpu_with_tf32_wgmma(tmp_path):
         b_contig="last", has_bias=False), f"--keep-ptx --dump-dir={tmp_path}")
     assert aot.audit_ptx(fn.__ptx__ or "", "sm90", "tf32") == [
         "missing wgmma.mma_async ... .f32.tf32.tf32"]
+
+
+def test_backward_runs_at_the_forward_precision():
+    """dX of an fp32 linear / mm runs at the precision its forward ran at, also when the
+    backward runs outside the `fp32_precision` block (or on autograd's device thread)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 40, generator=g, requires_grad=True)
+    w = torch.randn(16, 40, generator=g, requires_grad=True)
+    gy = torch.randn(24, 16, generator=g)
+    with dg.fp32_precision("tf32"):
+        y = dg.linear(x, w)
+        want_dx = R.chain(gy, w.detach(), op="dx", precision="tf32")
+    y.backward(gy)  # outside the block
+    assert R.same_bits(x.grad, want_dx)
+    assert R.same_bits(w.grad, R.chain(gy.t(), x.detach(), op="dw"))  # dW: exact parts
+    a = torch.randn(24, 40, generator=g, requires_grad=True)
+    b = torch.randn(40, 16, generator=g)
+    with dg.fp32_precision("tf32"):
+        z = dg.mm(a, b)
+    z.backward(gy)
+    assert R.same_bits(a.grad, R.chain(gy, b.t(), op="dx", precision="tf32"))
+    with dg.fp32_precision("ieee"):
+        x.grad = None
+        dg.linear(x, w).backward(gy)
+    assert R.same_bits(x.grad, R.chain(gy, w.detach(), op="dx", precision="ieee"))
