@@ -22,7 +22,9 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def buckets(op):
-    return [b for b in registry.get_registry(current_family()).buckets if b.op == op]
+    """The 16-bit buckets of `op` (fp32 and tf32 buckets have their own test modules)."""
+    return [b for b in registry.get_registry(current_family()).buckets if b.op == op
+            and set(b.dtypes) & set(registry.REQUIRED_DTYPES)]
 
 
 # ----------------------------------------------------------------------------- values
