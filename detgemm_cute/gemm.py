@@ -23,7 +23,7 @@ import threading
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry, split
+from . import dispatch, registry, split, staging
 from .errors import check_gemm_args
 
 _ALIGN = 16
@@ -107,9 +107,14 @@ def _unit_dim(t: torch.Tensor) -> str | None:
 
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
-    [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8."""
+    [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. A transposed
+    fp32 matrix (the TF32 kernels' staged weight) takes the tiled transpose kernel."""
     src = t if k_last else t.transpose(-1, -2)
     k = src.shape[-1]
+    if src.dim() == 2 and src.stride(0) == 1:  # [rows, K] is a transposed view of [K, rows]
+        out = staging.transposed(src.t(), -(-k // 8) * 8)
+        if out is not None:
+            return out
     out = torch.empty((*src.shape[:-1], -(-k // 8) * 8), dtype=t.dtype, device=t.device)
     out[..., :k].copy_(src)
     out[..., k:].zero_()

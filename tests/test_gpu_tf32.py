@@ -203,3 +203,15 @@ def test_nn_linear_and_mode():
     with dg.batch_invariant_mode(strict=True):
         z = a @ b
     assert same_bits(z.cpu(), reference.mm(a.cpu(), b.cpu()))
+
+
+@pytest.mark.parametrize("rows,cols,width", [(777, 130, 784), (1, 64, 8), (64, 1, 64),
+                                             (4096, 1024, 4096), (33, 31, 40)])
+def test_staging_transpose_is_a_copy(rows, cols, width):
+    from detgemm_cute import staging
+
+    x = rand(rows, cols + 3)[:, :cols]  # a row stride that is not the width
+    out = staging.transposed(x, width)
+    want = torch.zeros(cols, width, device=DEV)
+    want[:, :rows] = x.t()
+    assert same_bits(out, want)
