@@ -10,7 +10,9 @@ the largest *nominal* exponent among them (a product's is floor(log2|a|) + floor
 the accumulator's its own); every term is truncated toward zero to a multiple of 2^(E-25);
 the terms are added exactly and the sum is rounded toward zero to fp32. Epilogue: bias (if
 any) converted to fp32 and added with one IEEE fp32 add, then one round-to-nearest-even to
-the output dtype. The edge cases (subnormals, tiny and huge sums, the sign of zero) are
+the output dtype. fp32 inputs at precision "tf32" run the same chain in 8-wide blocks on
+their TF32-rounded values (TF32 WGMMA); at "ieee" the split tier's chunks (`split`). The
+edge cases (subnormals, tiny and huge sums, the sign of zero) are
 fields of `ChainModel`, in one place, with an H100's behaviour as defaults; see
 docs/reference.md.
 
