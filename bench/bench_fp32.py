@@ -65,8 +65,7 @@ def tf32_linear(x, w):
 
 def split_both(x, w):
     """What the fp32 tier does before its GEMM: row scales and the fp16 parts of both."""
-    return (split.operand_cuda(x, split.row_scales(x), "a"),
-            split.operand_cuda(w, split.row_scales(w), "b"))
+    return split.scaled_operand_cuda(x, "a"), split.scaled_operand_cuda(w, "b")
 
 
 def make_sets(m, k, n, l2):

@@ -314,8 +314,8 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
         if acc is not None:
             return acc
     else:
-        sa, sb = split.row_scales(a), split.row_scales(b_nk)
-        a2, b2 = split.operand_cuda(a, sa, "a"), split.operand_cuda(b_nk, sb, "b")
+        (a2, sa), (b2, sb) = (split.scaled_operand_cuda(a, "a"),
+                              split.scaled_operand_cuda(b_nk, "b"))
         c = None if acc is None else split.scale_acc(acc, sa, sb)
         c = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
         y = split.unscale(c, sa, sb)

@@ -183,6 +183,23 @@ def operand_cuda(x: torch.Tensor, scale: torch.Tensor, side: str) -> torch.Tenso
     return out
 
 
+def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`operand(x, row_scales(x), side)`, `row_scales(x)`) on a CUDA tensor in one kernel
+    (`kernels.split_parts.ScaledSplitFp16Parts`: the row maxima and the split share the read
+    of x; the same bits). ``DETGEMM_CUTE_SPLIT_KERNEL=0``: the PyTorch version."""
+    if not _kernels_on():
+        scale = row_scales(x)
+        return operand(x, scale, side), scale
+    x, rows, blocks = _blocked(x, BLOCK_K)
+    out = torch.empty((rows, blocks * CHUNK_K), dtype=PART_DTYPE, device=x.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows:
+        x4 = x.as_strided((rows, blocks, BLOCK_K // 4, 4),
+                          (x.stride(0) if rows > 1 else blocks * BLOCK_K, BLOCK_K, 4, 1))
+        _kernel("scaled_rows", side)(x4, scale, out.view(rows, blocks, 3, BLOCK_K // 4, 4))
+    return out, scale
+
+
 # Read once at import: the split runs on every fp32 GEMM.
 _KERNELS_ON = os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "off", "false")
 
@@ -218,7 +235,7 @@ def _compile_kernel(scheme: str, side: str):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    from .kernels.split_parts import SplitBf16Exact, SplitFp16Parts
+    from .kernels.split_parts import ScaledSplitFp16Parts, SplitBf16Exact, SplitFp16Parts
 
     block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
     rows, blocks = cute.sym_int(), cute.sym_int()
@@ -234,7 +251,8 @@ def _compile_kernel(scheme: str, side: str):
     if scheme == "exact":
         return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
     s = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
-    return cute.compile(SplitFp16Parts(side), x, s, o, stream, options=options)
+    kernel = ScaledSplitFp16Parts if scheme == "scaled_rows" else SplitFp16Parts
+    return cute.compile(kernel(side), x, s, o, stream, options=options)
 
 
 def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +328,6 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
 
 
 __all__ = ["PRECISIONS", "fp32_precision", "precision", "forward_precision", "at_precision",
-           "tf32_round", "row_scales", "parts",
-           "operand", "operand_cuda", "exact_parts", "exact_operand", "exact_operand_cuda",
-           "split_k", "scale_acc", "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K",
-           "PART_DTYPE"]
+           "tf32_round", "row_scales", "parts", "operand", "operand_cuda", "scaled_operand_cuda",
+           "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
+           "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]

@@ -6,6 +6,7 @@ and "sm80"; an 8.x GPU: "sm80";
 ``DETGEMM_TEST_FAMILIES=sm80`` narrows it) and runs each test inside ``use_family``, so the
 same invariance suite proves the contract for each family on this GPU."""
 
+import contextlib
 import os
 
 import pytest
@@ -61,6 +62,44 @@ def poison():
     element a kernel never writes shows up as NaN."""
     blocks = [torch.full((n,), float("nan"), device=DEV) for n in (1 << 16, 1 << 20, 1 << 24)]
     del blocks
+
+
+@contextlib.contextmanager
+def torch_tf32(flag: bool):
+    """PyTorch's own TF32 switch (``allow_tf32``) for a block, restored after."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = flag
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def assert_linear_matches_reference(x, w, bias=None):
+    """dg.linear on CUDA fp32 inputs (outputs poisoned first) has the CPU reference's bits
+    at this thread's fp32 precision."""
+    import detgemm_cute as dg
+    from detgemm_cute import reference
+
+    poison()
+    y = dg.linear(x, w, bias)
+    assert y.dtype == torch.float32
+    want = reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu())
+    assert same_bits(y.cpu(), want)
+
+
+def graph_replayed(fn):
+    """fn()'s result as a CUDA graph replay writes it: fn runs once eagerly (compiles stay
+    out of the capture), then once captured into a copy to a buffer that is NaN-filled
+    before the replay."""
+    out = torch.empty_like(fn())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fn())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 def rand(*shape, dtype=torch.bfloat16):

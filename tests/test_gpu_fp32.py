@@ -15,7 +15,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import reference, registry  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import SWEEP_M, poison, same_bits  # noqa: E402
+from gpu_helpers import (SWEEP_M, assert_linear_matches_reference, graph_replayed,  # noqa: E402
+                         poison, same_bits, torch_tf32)
 
 DEV = "cuda"
 F32 = torch.float32
@@ -43,10 +44,7 @@ def ref_linear(x, w, bias=None, out_dtype=None):
 def test_linear_matches_reference_bits(m, n, k, spread):
     g = torch.Generator(device=DEV).manual_seed(m * 7 + n + k)
     x, w, bias = rand(m, k, g=g, spread=spread), rand(n, k, g=g, spread=spread), rand(n, g=g)
-    poison()
-    y = dg.linear(x, w, bias)
-    assert y.dtype == F32
-    assert same_bits(y.cpu(), ref_linear(x, w, bias))
+    assert_linear_matches_reference(x, w, bias)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -95,14 +93,7 @@ def test_run_to_run_and_graphs():
     for _ in range(2):
         poison()
         assert same_bits(dg.linear(x, w), first)
-    out = torch.empty_like(first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(dg.linear(x, w))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert same_bits(out, first)
+    assert same_bits(graph_replayed(lambda: dg.linear(x, w)), first)
 
 
 def test_volume_one_million_outputs_match_reference():
@@ -171,12 +162,8 @@ def test_error_not_above_sgemm(k):
     g = torch.Generator(device=DEV).manual_seed(k)
     a, b = rand(512, k, g=g), rand(k, 512, g=g)
     ref = a.double() @ b.double()
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with torch_tf32(False):
         sgemm = a @ b
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
     ours = dg.mm(a, b)
 
     def err(y):
@@ -192,9 +179,16 @@ def test_one_pass_split_kernel_same_bits_as_pytorch(shape):
 
     x = rand(*shape, spread=True)
     x[0, 0] = float("inf")
+    if shape[0] > 3:  # rows the row scales clamp: zeros, subnormals; a NaN
+        x[1] = 0.0
+        x[2] = torch.randn(shape[1], device=DEV) * 2.0 ** -135
+        x[3, -1] = float("nan")
     s = split.row_scales(x)
     for side in ("a", "b"):
         want = split.operand(x, s, side)
+        for xv in (x, x.t().contiguous().t()):
+            parts, scales = split.scaled_operand_cuda(xv, side)
+            assert same_bits_nan(parts, want) and same_bits_nan(scales, s)
         assert same_bits_nan(split.operand_cuda(x, s, side), want)
         assert same_bits_nan(split.operand_cuda(x.t().contiguous().t(), s, side), want)
         want = split.exact_operand(x, side)

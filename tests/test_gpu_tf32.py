@@ -17,7 +17,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import reference, registry, split  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import SWEEP_M, poison, rel_err, same_bits  # noqa: E402
+from gpu_helpers import (SWEEP_M, assert_linear_matches_reference, graph_replayed,  # noqa: E402
+                         poison, rel_err, same_bits, torch_tf32)
 
 DEV = "cuda"
 F32 = torch.float32
@@ -52,10 +53,7 @@ def tf32_buckets():
 def test_linear_matches_reference_bits(m, n, k, spread):
     g = torch.Generator(device=DEV).manual_seed(m * 7 + n + k)
     x, w, bias = rand(m, k, g=g, spread=spread), rand(n, k, g=g, spread=spread), rand(n, g=g)
-    poison()
-    y = dg.linear(x, w, bias)
-    assert y.dtype == F32
-    assert same_bits(y.cpu(), ref_linear(x, w, bias))
+    assert_linear_matches_reference(x, w, bias)
 
 
 def test_layouts_are_staged_to_the_same_bits():
@@ -108,14 +106,7 @@ def test_run_to_run_and_graphs():
     x, w = rand(1000, 2048), rand(2048, 2048)
     first = dg.linear(x, w)
     assert same_bits(dg.linear(x, w), first)
-    out = torch.empty_like(first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(dg.linear(x, w))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert same_bits(out, first)
+    assert same_bits(graph_replayed(lambda: dg.linear(x, w)), first)
 
 
 def test_volume_one_million_outputs_match_reference():
@@ -150,12 +141,8 @@ def test_error_next_to_cublas_tf32():
     g = torch.Generator(device=DEV).manual_seed(2)
     a, b = rand(512, 4096, g=g), rand(4096, 512, g=g)
     ref = a.double() @ b.double()
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
+    with torch_tf32(True):
         cublas = a @ b
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
     ours = dg.mm(a, b)
     assert rel_err(ours, ref) < 1.1 * rel_err(cublas, ref) and rel_err(ours, ref) < 1e-3
 
@@ -163,13 +150,8 @@ def test_error_next_to_cublas_tf32():
 def test_torch_flag_selects_tf32():
     x, w = rand(64, 256), rand(96, 256)
     want = dg.linear(x, w)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        with _no_override():
-            assert same_bits(dg.linear(x, w), want)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    with torch_tf32(True), _no_override():
+        assert same_bits(dg.linear(x, w), want)
     with dg.fp32_precision("ieee"):
         assert not same_bits(dg.linear(x, w), want)
 

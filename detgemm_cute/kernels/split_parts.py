@@ -69,13 +69,70 @@ class SplitFp16Parts:
     def kernel(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor):
         ok, r, j, q = _this_quad(mX)
         if ok:
-            x = _load_quad(mX, r, j, q) * mS[r]
-            hi = x.to(cutlass.Float16)
-            for group, value in ((self.neg_lo_group, (hi.to(cutlass.Float32) - x)),
-                                 (self.neg_hi_group, -x), (2, x)):
-                part = cute.make_rmem_tensor((_VEC,), cutlass.Float16)
-                part.store(value.to(cutlass.Float16))
-                cute.autovec_copy(part, mO[(r, j, group, q, None)])
+            self._write_parts(mO, r, j, q, _load_quad(mX, r, j, q) * mS[r])
+
+    @cute.jit
+    def _write_parts(self, mO: cute.Tensor, r, j, q, x):
+        """The three fp16 groups of 4 scaled values x (exact products) at row r, block j."""
+        hi = x.to(cutlass.Float16)
+        for group, value in ((self.neg_lo_group, (hi.to(cutlass.Float32) - x)),
+                             (self.neg_hi_group, -x), (2, x)):
+            part = cute.make_rmem_tensor((_VEC,), cutlass.Float16)
+            part.store(value.to(cutlass.Float16))
+            cute.autovec_copy(part, mO[(r, j, group, q, None)])
+
+
+_SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
+_WARPS = _THREADS // 32
+
+
+class ScaledSplitFp16Parts(SplitFp16Parts):
+    """`SplitFp16Parts` with the row scales computed in the same kernel (split.row_scales):
+    one CTA per row; pass 1 takes the integer maximum of |x|'s bits over the row (a NaN
+    dominates, as in PyTorch's inf-norm), the scale 2^(13 - floor(log2 max|x|)) clamped to
+    [2^-126, 2^127] is built from exponent bits and written to S[r]; pass 2 re-reads the row
+    (now in L2) and writes its parts. One DRAM read of X instead of two."""
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, stream):
+        self.kernel(mX, mS, mO).launch(grid=[cute.size(mX, mode=[0]), 1, 1],
+                                       block=[_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        r, _, _ = cute.arch.block_idx()
+        quads = cute.size(mX, mode=[2])
+        units = cute.size(mX, mode=[1]) * quads
+        mXi = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=cutlass.Int32), mX.layout)
+        top = cutlass.Int32(0)
+        for u in cutlass.range(tidx, units, _THREADS, unroll=1):
+            bits = cute.make_rmem_tensor((_VEC,), cutlass.Int32)
+            cute.autovec_copy(mXi[(r, u // quads, u % quads, None)], bits)
+            for i in cutlass.range_constexpr(_VEC):
+                top = cutlass.max(top, bits[i] & _SIGN_OFF)
+        top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+        smem = cutlass.utils.SmemAllocator()
+        warp_top = smem.allocate_tensor(cutlass.Int32, cute.make_layout(_WARPS), 4)
+        scale_bits = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), 4)
+        if tidx % 32 == 0:
+            warp_top[tidx // 32] = top
+        cute.arch.sync_threads()
+        if tidx == 0:
+            t = warp_top[0]
+            for w in cutlass.range_constexpr(1, _WARPS):
+                t = cutlass.max(t, warp_top[w])
+            e = cutlass.min(cutlass.max(13 + 254 - (t >> 23), 1), 254)
+            scale_bits[0] = e << 23
+        cute.arch.sync_threads()
+        scale_f = cute.make_tensor(cute.recast_ptr(scale_bits.iterator, dtype=cutlass.Float32),
+                                   scale_bits.layout)
+        scale = scale_f[0]
+        if tidx == 0:
+            mS[r] = scale
+        for u in cutlass.range(tidx, units, _THREADS, unroll=1):
+            j, q = u // quads, u % quads
+            self._write_parts(mO, r, j, q, _load_quad(mX, r, j, q) * scale)
 
 
 class SplitBf16Exact:
