@@ -524,7 +524,7 @@ def _make_golden_module():
 def test_golden_problem_recipes_build():
     """The recipes make what they promise (zeros, subnormals, specials) on any machine."""
     mg = _make_golden_module()
-    problems = mg.PROBLEMS + mg.TF32_PROBLEMS
+    problems = mg.PROBLEMS + mg.TF32_PROBLEMS + mg.IEEE_PROBLEMS
     names = [p["name"] for p in problems]
     assert len(names) == len(set(names))
     for p in problems:

@@ -88,38 +88,37 @@ PROBLEMS = [
     P("overflow_small_full", 45, 2, 8, 32, out="fp32", scale=110, tags=["special", "overflow"]),
 ]
 
-# fp32 inputs at precision "tf32" (TF32 rounding of the inputs, the chain in 8-wide blocks).
-TF32_PROBLEMS = [
-    P(name, seed, m, n, k, "fp32", out, bias, tags, "tf32", **recipe)
-    for name, seed, m, n, k, out, bias, tags, recipe in (
-        ("tf32_plain", 101, 64, 96, 256, "fp32", True, (), {}),
-        ("tf32_spread20", 102, 48, 80, 1024, "fp32", False, (), {"spread": 20}),
-        ("tf32_k1000_bias", 103, 33, 72, 1000, "fp32", True, (), {"spread": 3,
-                                                                  "bias_scale": 4}),
-        ("tf32_k13", 104, 17, 24, 13, "fp32", False, (), {"spread": 20}),
-        ("tf32_zeros", 105, 40, 64, 320, "fp32", False, (), {"spread": 6, "zeros": 0.3,
-                                                            "neg_zeros": 0.1}),
-        ("tf32_zero_rows", 106, 8, 16, 48, "fp32", True, (), {"x_zero_rows": 0.5,
-                                                             "neg_zeros": 0.2,
-                                                             "bias_neg_zeros": 0.5}),
-        ("tf32_subnormal", 107, 32, 64, 512, "fp32", False, (), {"spread": 10,
-                                                                "subnormals": 0.1}),
-        ("tf32_subnormal_lead", 108, 24, 40, 256, "fp32", False, (),
-         {"x_spread": 2, "x_scale": -124, "x_subnormals": 0.7, "w_spread": 12,
-          "w_scale": 90}),
-        ("tf32_tiny_acc", 109, 24, 40, 256, "fp32", False, (), {"spread": 4, "scale": -68}),
-        ("tf32_cancel", 110, 32, 48, 512, "fp32", False, (), {"spread": 16, "cancel": 0.6}),
-        ("tf32_near_max", 111, 16, 24, 64, "fp32", False, (), {"scale": 127, "spread": 1}),
-        ("tf32_special", 112, 32, 64, 256, "fp32", True, ("special",),
-         {"specials": 0.0008, "spread": 4}),
-        ("tf32_overflow", 113, 8, 32, 64, "fp32", False, ("special", "overflow"),
-         {"scale": 100, "spread": 4}),
-        ("tf32_small_full", 114, 4, 8, 40, "fp32", False, (), {"spread": 8,
-                                                              "subnormals": 0.2}),
-        ("tf32_bf16_out", 115, 40, 72, 640, "bf16", True, (), {"spread": 4}),
-    )
-
-]
+# fp32 inputs at each precision: "tf32" (TF32 rounding of the inputs, the chain in 8-wide
+# blocks) and "ieee" (the split tier). One list of recipes, seeds 101.. (tf32) and 201..
+# (ieee); each precision is recorded to its own file (`--set tf32`, `--set ieee`).
+_FP32_RECIPES = (  # name, seed, M, N, K, out dtype, bias, tags, recipe
+    ("plain", 101, 64, 96, 256, "fp32", True, (), {}),
+    ("spread20", 102, 48, 80, 1024, "fp32", False, (), {"spread": 20}),
+    ("k1000_bias", 103, 33, 72, 1000, "fp32", True, (), {"spread": 3, "bias_scale": 4}),
+    ("k13", 104, 17, 24, 13, "fp32", False, (), {"spread": 20}),
+    ("zeros", 105, 40, 64, 320, "fp32", False, (),
+     {"spread": 6, "zeros": 0.3, "neg_zeros": 0.1}),
+    ("zero_rows", 106, 8, 16, 48, "fp32", True, (),
+     {"x_zero_rows": 0.5, "neg_zeros": 0.2, "bias_neg_zeros": 0.5}),
+    ("subnormal", 107, 32, 64, 512, "fp32", False, (), {"spread": 10, "subnormals": 0.1}),
+    ("subnormal_lead", 108, 24, 40, 256, "fp32", False, (),
+     {"x_spread": 2, "x_scale": -124, "x_subnormals": 0.7, "w_spread": 12, "w_scale": 90}),
+    ("tiny_acc", 109, 24, 40, 256, "fp32", False, (), {"spread": 4, "scale": -68}),
+    ("cancel", 110, 32, 48, 512, "fp32", False, (), {"spread": 16, "cancel": 0.6}),
+    ("near_max", 111, 16, 24, 64, "fp32", False, (), {"scale": 127, "spread": 1}),
+    ("special", 112, 32, 64, 256, "fp32", True, ("special",),
+     {"specials": 0.0008, "spread": 4}),
+    ("overflow", 113, 8, 32, 64, "fp32", False, ("special", "overflow"),
+     {"scale": 100, "spread": 4}),
+    ("small_full", 114, 4, 8, 40, "fp32", False, (), {"spread": 8, "subnormals": 0.2}),
+    ("bf16_out", 115, 40, 72, 640, "bf16", True, (), {"spread": 4}),
+)
+TF32_PROBLEMS = [P("tf32_" + name, seed, m, n, k, "fp32", out, bias, tags, "tf32", **recipe)
+                 for name, seed, m, n, k, out, bias, tags, recipe in _FP32_RECIPES]
+IEEE_PROBLEMS = [P("ieee_" + name, seed + 100, m, n, k, "fp32", out, bias, tags, "ieee",
+                   **recipe) for name, seed, m, n, k, out, bias, tags, recipe in _FP32_RECIPES]
+SETS = {"main": ("", PROBLEMS, None), "tf32": ("_tf32", TF32_PROBLEMS, "tf32"),
+        "ieee": ("_ieee", IEEE_PROBLEMS, "fp32")}  # file suffix, problems, bucket dtype
 
 
 # ---------------------------------------------------------------------------------------
@@ -309,9 +308,9 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true",
                     help="do not also compare with detgemm_cute.reference here")
     ap.add_argument("--only", default=None, help="comma-separated problem names")
-    ap.add_argument("--set", default="main", choices=("main", "tf32"),
-                    help="which problem list: the 16-bit/fp32 one (golden_<gpu>.json) or the "
-                         "tf32 one (golden_<gpu>_tf32.json)")
+    ap.add_argument("--set", default="main", choices=tuple(SETS),
+                    help="which problem list: the 16-bit one (golden_<gpu>.json) or fp32 inputs "
+                         "at precision tf32 / ieee (golden_<gpu>_tf32.json / _ieee.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("make_golden.py needs a CUDA GPU")
@@ -326,8 +325,8 @@ def main(argv=None):
     elif args.buckets:
         buckets = args.buckets.split(",")
     else:
-        buckets = _bucket_names("tf32" if args.set == "tf32" else None)
-    probs = TF32_PROBLEMS if args.set == "tf32" else PROBLEMS
+        buckets = _bucket_names(SETS[args.set][2])
+    suffix, probs = SETS[args.set][:2]
     if args.only:
         keep = set(args.only.split(","))
         probs = [p for p in probs if p["name"] in keep]
@@ -350,7 +349,6 @@ def main(argv=None):
               f"not-same={flags[:3]}", flush=True)
     slug = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_")
     os.makedirs(args.out, exist_ok=True)
-    suffix = "_tf32" if args.set == "tf32" else ""
     path = os.path.join(args.out, f"golden_{slug}{suffix}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=0, separators=(",", ":"))
