@@ -58,6 +58,10 @@ def _tf32_variants(bucket, which: str):
     """tf32 buckets: fp32 operands, both K-major (the op layer stages any other layout);
     "core": fp32 out (with bias for fwd); "all": every output dtype, with and without bias."""
     base = dict(dtype="tf32", a_major="k", b_form="nk", b_contig="last")
+    if bucket.op == "bmm":  # one launch per batch; B [L, K, N] K-first is the "kn" view
+        yield dict(base, b_form="kn", b_contig="first", out_dtype="fp32", has_bias=False,
+                   batched=True)
+        return
     if which == "core":
         yield dict(base, out_dtype="fp32", has_bias=bucket.op == "fwd")
         return

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry
+from . import dispatch, registry, split
 from .errors import check_bmm_args
-from .gemm import (_ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, gemm,
-                   stage_k_major)
+from .gemm import (_ALIGN, _NAMES, TF32, _current_device, _forced, _gpu_arch, _require_sm90,
+                   arch_of, gemm, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -53,13 +53,19 @@ class _Plan:
 
 def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
     arch = arch_of(a.device)
-    dtype = _NAMES[a.dtype]
+    dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
     forced = _forced.name
     bucket = (dispatch.bucket_by_name(arch, forced) if forced
               else dispatch.lookup("bmm", dtype, arch, m, n, k))
+    if forced and dtype not in bucket.dtypes:
+        raise ValueError(f"force_bucket: bucket {forced!r} serves {'/'.join(bucket.dtypes)}, "
+                         f"not this call's {dtype} operands")
     a_unit, b_unit = _inner_unit(a), _inner_unit(b)
     if a_unit == "first" and bucket.tile[0] < 64:
         a_unit = None  # row tiles load BM-row boxes of a K-major A
+    if dtype == TF32:  # TF32 WGMMA reads both operands K-major only: b [L, K, N] K-first
+        a_unit = a_unit if a_unit == "last" else None
+        b_unit = b_unit if b_unit == "first" else None
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
@@ -106,6 +112,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return gemm(a[0], b[0], "kn", bias, out_dtype, op="fwd").unsqueeze(0)
     if _shared_weight_rows(a, b):
         return gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd").view(lb, m, n)
+    if a.dtype == torch.float32:
+        _require_sm90(a)
+        if split.precision() != TF32:  # "ieee": the split tier, entry by entry (2-D GEMMs)
+            return torch.stack([gemm(a[i], b[i], "kn", bias, out_dtype, op="fwd")
+                                for i in range(lb)])
     if key is None:
         key = _key(a, b, bias, out_dtype)
     plan = _plans.get(key)

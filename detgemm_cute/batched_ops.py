@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import batched
+from . import batched, split
 from .errors import check_bmm_args, check_operand_dtypes, check_out_and_bias
 from .gemm import gemm
 
@@ -49,6 +49,7 @@ def _bmm_fake(a, b, bias=None, out_dtype=None):
 def _setup_bmm(ctx, inputs, output):
     a, b, bias, _ = inputs
     ctx.in_dtype = a.dtype
+    ctx.fp32_precision = split.forward_precision(a.dtype)  # backward runs at it too
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(a if ctx.needs_input_grad[1] else None,
                           b if ctx.needs_input_grad[0] else None)
@@ -58,10 +59,11 @@ def _backward_bmm(ctx, grad):
     a, b = ctx.saved_tensors
     g = grad if grad.dtype == ctx.in_dtype else grad.to(ctx.in_dtype)
     ga = gb = gbias = None
-    if ctx.needs_input_grad[0]:
-        ga = torch.ops.detgemm.bmm(g, b.transpose(1, 2), None, ctx.in_dtype)
-    if ctx.needs_input_grad[1]:
-        gb = torch.ops.detgemm.bmm(a.transpose(1, 2), g, None, ctx.in_dtype)
+    with split.at_precision(ctx.fp32_precision):
+        if ctx.needs_input_grad[0]:
+            ga = torch.ops.detgemm.bmm(g, b.transpose(1, 2), None, ctx.in_dtype)
+        if ctx.needs_input_grad[1]:
+            gb = torch.ops.detgemm.bmm(a.transpose(1, 2), g, None, ctx.in_dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
         gbias = torch.ops.detgemm.bias_grad(g).to(ctx.bias_dtype)
     return ga, gb, gbias, None

@@ -76,9 +76,10 @@ def check_out_and_bias(out_dtype, bias, n, dtype, an, biasn, op):
 
 
 def check_bmm_args(a, b, bias, out_dtype, op, names=("a", "b", "bias"), check_device=True):
-    """Validate C[l] = a[l] @ b[l] (+ bias): a [L, M, K], b [L, K, N], bias [N]."""
+    """Validate C[l] = a[l] @ b[l] (+ bias): a [L, M, K], b [L, K, N], bias [N]; bf16, fp16
+    or fp32 (the fp32 tier, entry by entry at "ieee", one launch at "tf32")."""
     an, bn, biasn = names
-    check_operand_dtypes(a, b, an, bn, op)
+    check_operand_dtypes(a, b, an, bn, op, GEMM_DTYPES)
     if a.dim() != 3:
         raise ValueError(f"{op}: {an} must be 3-D [L, M, K], got shape {tuple(a.shape)}")
     if b.dim() != 3:

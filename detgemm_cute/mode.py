@@ -20,9 +20,10 @@ one launch (`batched`: the same chain per entry; the batch count changes nothing
 operand layout: a transposed A is a dW-shaped GEMM (``dw`` table), a ``[K, N]``-contiguous B
 a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bits.
 
-fp32 ``mm``/``addmm``/``mv`` run on the fp32 tier (`split`; its precision follows
-``torch.backends.cuda.matmul``'s TF32 switch or `detgemm_cute.fp32_precision`); fp32
-``bmm``/``baddbmm``/``_grouped_mm`` are not built yet and fall back. What detgemm cannot
+fp32 ``mm``/``addmm``/``mv``/``bmm``/``baddbmm`` run on the fp32 tier (`split`; its precision
+follows ``torch.backends.cuda.matmul``'s TF32 switch or `detgemm_cute.fp32_precision`: fp32
+``bmm`` is one launch at "tf32", entry by entry at "ieee"); fp32 ``_grouped_mm`` is not built
+yet and falls back. What detgemm cannot
 take (those, other dtypes, mixed dtypes, a GPU without detgemm kernels) falls back to
 PyTorch's own kernel (the original, obtained with ``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
 guaranteed; ``strict=True`` raises instead. Malformed calls (wrong ranks or shapes) go to
@@ -45,8 +46,7 @@ from .errors import GEMM_DTYPES, IN_DTYPES
 from .gemm import arch_of, gemm
 
 _IN = IN_DTYPES
-_IN_2D = GEMM_DTYPES  # mm / addmm / mv: fp32 runs on the split fp32 tier
-_BATCHED = ("bmm", "baddbmm", "_grouped_mm")
+_IN_2D = GEMM_DTYPES  # mm / addmm / mv / bmm / baddbmm: fp32 runs on the fp32 tier
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _lock = threading.RLock()
 _stack: list[bool] = []  # strictness of each active enable(), innermost last
@@ -114,7 +114,7 @@ class _Fallback(Exception):
 
 def _route(op: str, *ts):
     """Count a routed call, or decide a fallback (raise when strict)."""
-    why = _problem(*ts, dtypes=_IN if op.startswith(_BATCHED) else _IN_2D)
+    why = _problem(*ts, dtypes=_IN if op.startswith("_grouped_mm") else _IN_2D)
     if why is None and ts[0].dtype == torch.float32 and ts[0].is_cuda and \
             arch_of(ts[0].device) != "sm90":
         why = "float32 inputs on the sm80 kernel family (fp32 runs on sm90 only)"

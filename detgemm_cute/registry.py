@@ -44,7 +44,7 @@ REQUIRED_DTYPES = ("bf16", "fp16")
 # precision (split operands), "tf32" buckets its TF32 precision (fp32 operands read as TF32 by
 # the tensor cores); dW runs full precision at either setting.
 FP32_OPS = ("fwd", "dx", "dw")
-TF32_OPS = ("fwd", "dx")
+TF32_OPS = ("fwd", "dx", "bmm")  # fp32 bmm at "ieee" runs entry by entry on fwd buckets
 # Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.
 SWAP_OPS = ("fwd", "dx", "dw")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
@@ -615,7 +615,7 @@ class Registry:
         if not self.table(op, dtype) and dtype not in REQUIRED_DTYPES:
             raise NoBucketError(
                 f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on the "
-                f"sm90 family's fwd, dx and dw only; tf32 on its fwd and dx)")
+                f"sm90 family's fwd, dx and dw only; tf32 on its fwd, dx and bmm)")
         raise NoBucketError(
             f"no {self.arch} bucket serves op {op} dtype {dtype} at M={m}, N={n}, K={k}; the "
             f"built-in table declares ops: {', '.join(self.ops) or 'none'}")

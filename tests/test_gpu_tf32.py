@@ -197,3 +197,35 @@ def test_staging_transpose_is_a_copy(rows, cols, width):
     want = torch.zeros(cols, width, device=DEV)
     want[:, :rows] = x.t()
     assert same_bits(out, want)
+
+
+@pytest.mark.parametrize("lb,m,k,n", [(7, 100, 64, 130), (33, 64, 128, 64), (4, 300, 40, 96)])
+def test_bmm_one_launch_entries_are_mm(lb, m, k, n):
+    """fp32 bmm at "tf32": one launch, each entry the bits of dg.mm on it, whatever the batch
+    count or layout (q @ k^T views, a [K, N] row-major B that is staged, a broadcast B)."""
+    g = torch.Generator(device=DEV).manual_seed(lb * m)
+    a = rand(lb, m, k, g=g, spread=6)
+    kt = rand(lb, n, k, g=g).transpose(1, 2)  # [L, K, N], K contiguous: read in place
+    b_rows = kt.contiguous()  # [L, K, N] row-major: staged K-major
+    shared = rand(k, n, g=g).expand(lb, k, n)
+    for b in (kt, b_rows, shared):
+        poison()
+        y = dg.bmm(a, b)
+        for i in range(lb):
+            assert same_bits(y[i], dg.mm(a[i], b[i])), i
+        assert same_bits(dg.bmm(a[:3], b[:3]), y[:3])
+    assert same_bits(y[1].cpu(), reference.mm(a[1].cpu(), shared[1].cpu()))
+    with dg.fp32_precision("ieee"):  # entry by entry on the split tier
+        z = dg.bmm(a, kt)
+        assert same_bits(z[2], dg.mm(a[2], kt[2]))
+
+
+def test_bmm_mode_and_backward():
+    a, b = rand(6, 64, 96, spread=2), rand(6, 96, 80)
+    with dg.batch_invariant_mode(strict=True):
+        y = torch.bmm(a, b)
+    assert same_bits(y, dg.bmm(a, b))
+    a.requires_grad_(True)
+    gy = rand(6, 64, 80)
+    dg.bmm(a, b).backward(gy)
+    assert same_bits(a.grad, dg.bmm(gy, b.transpose(1, 2)))

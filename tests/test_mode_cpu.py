@@ -105,20 +105,21 @@ def test_fallback_warns_once_and_counts():
     with dg.batch_invariant_mode(_dispatch_keys=CPU):
         with pytest.warns(UserWarning, match="aten::mm with torch.float64 inputs"):
             first = torch.mm(a, b)
-        with pytest.warns(UserWarning, match="aten::bmm with torch.float32 inputs"):
-            torch.bmm(a3, b3)  # fp32 bmm is not on the fp32 tier
+        with pytest.warns(UserWarning, match="aten::bmm with torch.float64 inputs"):
+            torch.bmm(a3.double(), b3.double())
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             torch.mm(a, b)  # no second warning
-            y32 = torch.mm(a3[0], b3[0])  # fp32 mm is routed: no warning
+            y32 = torch.mm(a3[0], b3[0])  # fp32 mm and bmm are routed: no warning
+            z32 = torch.bmm(a3, b3)
     assert torch.equal(first, a @ b)
-    assert same(y32, reference.mm(a3[0], b3[0]))
+    assert same(y32, reference.mm(a3[0], b3[0])) and same(z32[0], y32)
     r = dg.report()
     assert r.fell_back[("mm", "float64", "torch.float64 inputs (detgemm takes "
                         "bfloat16/float16/float32 here)")] == 2
-    assert r.fell_back[("bmm", "float32", "torch.float32 inputs (detgemm takes "
-                        "bfloat16/float16 here)")] == 1
-    assert r.routed[("mm", "fp32")] == 1
+    assert r.fell_back[("bmm", "float64", "torch.float64 inputs (detgemm takes "
+                        "bfloat16/float16/float32 here)")] == 1
+    assert r.routed[("mm", "fp32")] == 1 and r.routed[("bmm", "fp32")] == 1
     dg.reset_report()
     assert dg.report().total_fell_back == 0
 
@@ -126,7 +127,7 @@ def test_fallback_warns_once_and_counts():
 def test_strict_raises_naming_op_and_shapes():
     with dg.batch_invariant_mode(strict=True, _dispatch_keys=CPU):
         with pytest.raises(mode.BatchInvariantError, match=r"aten::bmm on \(2, 3, 4\)"):
-            torch.bmm(torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+            torch.bmm(torch.randn(2, 3, 4).double(), torch.randn(2, 4, 5).double())
         with pytest.raises(mode.BatchInvariantError, match="mixed dtypes"):
             torch.mm(rand(3, 4), rand(4, 5, dtype=torch.float16))
 

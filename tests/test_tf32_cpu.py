@@ -148,3 +148,13 @@ def test_transpose_kernel_compiles_on_cpu():
 
     assert staging._compile() is not None
     assert staging.transposed(torch.randn(4, 4), 8) is None  # CPU tensors: PyTorch's copy
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_fp32_bmm_on_cpu_is_mm_per_entry(precision):
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(3, 20, 36, generator=g), torch.randn(3, 36, 12, generator=g)
+    with dg.fp32_precision(precision):
+        y = dg.bmm(a, b)
+        for i in range(3):
+            assert R.same_bits(y[i], dg.mm(a[i], b[i]))

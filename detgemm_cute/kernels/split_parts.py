@@ -112,7 +112,7 @@ class ScaledSplitFp16Parts(SplitFp16Parts):
             for i in cutlass.range_constexpr(_VEC):
                 top = cutlass.max(top, bits[i] & _SIGN_OFF)
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_top = smem.allocate_tensor(cutlass.Int32, cute.make_layout(_WARPS), 4)
         scale_bits = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), 4)
         if tidx % 32 == 0:

@@ -29,7 +29,7 @@ class Transpose32:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor):
-        tile = cutlass.utils.SmemAllocator().allocate_tensor(
+        tile = cutlass.memory.SmemAllocator().allocate_tensor(
             mX.element_type, cute.make_layout((_TILE, _TILE), stride=(_TILE + 1, 1)), 4)
         tx, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
