@@ -30,6 +30,7 @@ _ALIGN = 16
 _MAX_DIM = 2**31 - 1
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 TF32 = "tf32"  # the dtype name of fp32 operands on the TF32 kernels (tables, kernel keys)
+_F32 = torch.float32
 
 _plans: dict = {}  # cleared whenever the registry's user layers change
 _arch_of_device: dict = {}
@@ -145,13 +146,14 @@ class _Plan:
         self.dev_index = None if device is None else device.index
 
 
-def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in=False):
-    """`split_in`: a and b are the fp32 tier's fp16 parts (K-major [rows, K'], b as
-    [N, K']); the bucket comes from the fp32 table at the original K. `split_in == TF32`:
-    fp32 operands for the TF32 kernels (both K-major: any other layout is staged)."""
+def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
+    """`tier`: 0 for 16-bit operands; K per chunk (an int) when a and b are the fp32 tier's
+    16-bit parts (K-major [rows, K'], b as [N, K']), whose bucket comes from the fp32 table
+    at the original K; TF32 for fp32 operands on the TF32 kernels (both K-major: any other
+    layout is staged)."""
     arch = arch_of(a.device)
-    tf32 = split_in == TF32
-    split_in = 0 if tf32 else split_in
+    tf32 = tier == TF32
+    split_in = 0 if tf32 else tier
     if tf32:
         _require_sm90(a)
     dtype = TF32 if tf32 else _NAMES[a.dtype]
@@ -202,14 +204,14 @@ def swapped_operands(a, b, b_form):
     return (b if b_form == "nk" else b.t()), a, "nk"
 
 
-def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, split_in=False):
+def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, tier=0):
     """Everything the plan and the input checks depend on, so a hit needs neither again.
-    (Built on every call: attribute reads only, in one tuple; fp32 inputs add the precision,
-    which decides between the TF32 kernels and the split tier.)"""
-    if a.dtype is torch.float32 and not split_in:
-        split_in = _fp32_route(op)
-    return (op, b_form, out_dtype, split_in, a.shape, a.stride(), b.shape, b.stride(), a.dtype,
-            b.dtype,
+    (Built on every call: attribute reads in one tuple; fp32 inputs also read the precision,
+    which decides their `tier`: the TF32 kernels or the split tier.)"""
+    dt = a.dtype
+    if dt is _F32 and not tier:
+        tier = _fp32_route(op)
+    return (op, b_form, out_dtype, tier, a.shape, a.stride(), b.shape, b.stride(), dt, b.dtype,
             a.device, b.device, not a.data_ptr() & 15, not b.data_ptr() & 15,
             None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()),
             None if acc is None else (acc.shape, acc.dtype, acc.device, acc.stride(),
@@ -217,10 +219,10 @@ def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, split_in=False):
             _forced.name, _forced.family)
 
 
-def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k, split_in=False):
+def _plan_for(op, a, b, b_form, bias, out_dtype, acc, key, m, n, k, tier=0):
     plan = _plans.get(key)
     if plan is None:
-        plan = _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, split_in)
+        plan = _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier)
         if len(_plans) > 8192:
             _plans.clear()
         _plans[key] = plan
@@ -237,8 +239,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     chain continues from acc's values and the result is written back into acc, which is
     returned; out_dtype must then be fp32 and bias None. `out` ([M, N] of out_dtype) receives
     the result: written in place when TMA can address it, else copied in. fp32 inputs run
-    the fp32 tier (`split`); `split_in` (original K per chunk) marks its inner call on the
-    16-bit parts."""
+    the fp32 tier: the TF32 kernels at precision "tf32" (fwd/dX), else the split (`split`),
+    whose inner call on the 16-bit parts passes `split_in` (original K per chunk)."""
     m, k = a.shape
     n = b.shape[0] if b_form == "nk" else b.shape[1]
     out_dtype = out_dtype or a.dtype
@@ -249,16 +251,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     if a.device.type == "cpu":
         c = _on_cpu(a, b, b_form, bias, out_dtype, acc, op)
         return out.copy_(c) if out is not None else c
-    if a.dtype == torch.float32 and not split_in:
-        split_in = _fp32_route(op)
-        if split_in != TF32:
+    tier = split_in
+    if a.dtype is _F32 and not split_in:
+        tier = _fp32_route(op)
+        if tier != TF32:
             return _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out)
     if plan is None:
-        if split_in and split_in != TF32:  # the fp32 table is keyed by the real K (K/chunk)
+        if split_in:  # the fp32 table is keyed by the real K (split_in: K per chunk)
             k = k // split.CHUNK_K * split_in
         plan = _plan_for(op, a, b, b_form, bias, out_dtype, acc,
-                         key or _key(a, b, b_form, bias, out_dtype, op, acc, split_in), m, n, k,
-                         split_in)
+                         key or _key(a, b, b_form, bias, out_dtype, op, acc, tier), m, n, k, tier)
     if plan.swap:
         a, b, b_form = swapped_operands(a, b, b_form)
     if plan.stage_a:

@@ -421,8 +421,8 @@ def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
     ``acc`` (fp32 [M, N]) is where a previous chain stopped, as in ``dW += dY^T X``; without
     it the chain starts at +0. No epilogue, no rounding beyond the chain's own. `op` ("dw",
     "fwd" or "dx") and `precision` ("ieee" or "tf32") matter for fp32 inputs only: dW's
-    split scheme differs, and fwd/dX at "tf32" take one product of TF32-rounded values
-    (`split`)."""
+    split scheme differs, and fwd/dX at "tf32" run the chain in 8-wide blocks on the
+    TF32-rounded operands (`split.tf32_round`)."""
     if precision not in split.PRECISIONS:
         raise ValueError(f"detgemm_cute.reference.chain: precision must be one of "
                          f"{split.PRECISIONS}, got {precision!r}")

@@ -40,7 +40,7 @@ DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
 # where an op has fp32 buckets they must cover every (M, N, K) as well.
 REQUIRED_DTYPES = ("bf16", "fp16")
-# Ops the fp32 tier has (bmm takes 16-bit inputs only). "fp32" buckets serve its full
+# Ops the fp32 tier's "fp32" (split) buckets serve (fp32 bmm at "ieee" runs entry by entry). "fp32" buckets serve its full
 # precision (split operands), "tf32" buckets its TF32 precision (fp32 operands read as TF32 by
 # the tensor cores); dW runs full precision at either setting.
 FP32_OPS = ("fwd", "dx", "dw")

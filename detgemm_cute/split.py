@@ -61,8 +61,11 @@ _local = threading.local()
 @contextlib.contextmanager
 def fp32_precision(precision: str):
     """Run the fp32 GEMMs of this thread at `precision` ("ieee" or "tf32"), whatever
-    ``torch.backends.cuda.matmul`` says. The choice is read when each op runs; a backward
-    runs at the precision its forward ran at, wherever and whenever it runs."""
+    ``torch.backends.cuda.matmul`` says. The choice is read when each op runs; in eager
+    autograd, detgemm's ops (linear, mm, addmm, bmm, nn.Linear) run their backward at the
+    precision their forward ran at, also outside the block and on autograd's device thread.
+    A backward compiled by torch.compile, and autograd's own matmul backward in the mode,
+    read the precision when they run."""
     if precision not in PRECISIONS:
         raise ValueError(f"fp32_precision: precision must be one of {PRECISIONS}, got "
                          f"{precision!r}")
@@ -167,26 +170,12 @@ _kernels: dict = {}
 _kernel_lock = threading.Lock()
 
 
-def operand_cuda(x: torch.Tensor, scale: torch.Tensor, side: str) -> torch.Tensor:
-    """`operand` on a CUDA tensor in one pass (`kernels.split_parts`, the same bits);
-    ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import) runs the PyTorch version instead. A K
-    that is not a multiple of 32, or a K that is not the unit-stride dim, is copied first."""
-    if not _kernels_on():
-        return operand(x, scale, side)
-    x, rows, blocks = _blocked(x, BLOCK_K)
-    out = torch.empty((rows, blocks * CHUNK_K), dtype=PART_DTYPE, device=x.device)
-    if rows:
-        x4 = x.as_strided((rows, blocks, BLOCK_K // 4, 4),
-                          (x.stride(0) if rows > 1 else blocks * BLOCK_K, BLOCK_K, 4, 1))
-        _kernel("scaled", side)(x4, scale.contiguous(), out.view(rows, blocks, 3,
-                                                                 BLOCK_K // 4, 4))
-    return out
-
-
 def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(`operand(x, row_scales(x), side)`, `row_scales(x)`) on a CUDA tensor in one kernel
-    (`kernels.split_parts.ScaledSplitFp16Parts`: the row maxima and the split share the read
-    of x; the same bits). ``DETGEMM_CUTE_SPLIT_KERNEL=0``: the PyTorch version."""
+    (`kernels.split_parts.SplitFp16Parts`: the row maxima and the split share the read of x;
+    the same bits). ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import): the PyTorch version.
+    A K that is not a multiple of 32, or a K that is not the unit-stride dim, is copied
+    first."""
     if not _kernels_on():
         scale = row_scales(x)
         return operand(x, scale, side), scale
@@ -196,7 +185,7 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
     if rows:
         x4 = x.as_strided((rows, blocks, BLOCK_K // 4, 4),
                           (x.stride(0) if rows > 1 else blocks * BLOCK_K, BLOCK_K, 4, 1))
-        _kernel("scaled_rows", side)(x4, scale, out.view(rows, blocks, 3, BLOCK_K // 4, 4))
+        _kernel("scaled", side)(x4, scale, out.view(rows, blocks, 3, BLOCK_K // 4, 4))
     return out, scale
 
 
@@ -235,7 +224,7 @@ def _compile_kernel(scheme: str, side: str):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    from .kernels.split_parts import ScaledSplitFp16Parts, SplitBf16Exact, SplitFp16Parts
+    from .kernels.split_parts import SplitBf16Exact, SplitFp16Parts
 
     block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
     rows, blocks = cute.sym_int(), cute.sym_int()
@@ -251,8 +240,7 @@ def _compile_kernel(scheme: str, side: str):
     if scheme == "exact":
         return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
     s = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
-    kernel = ScaledSplitFp16Parts if scheme == "scaled_rows" else SplitFp16Parts
-    return cute.compile(kernel(side), x, s, o, stream, options=options)
+    return cute.compile(SplitFp16Parts(side), x, s, o, stream, options=options)
 
 
 def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +316,6 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
 
 
 __all__ = ["PRECISIONS", "fp32_precision", "precision", "forward_precision", "at_precision",
-           "tf32_round", "row_scales", "parts", "operand", "operand_cuda", "scaled_operand_cuda",
+           "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
            "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]

@@ -15,6 +15,7 @@ import torch
 
 from . import split
 
+_GRID_Y_MAX = 65535  # the kernel puts 32-wide tiles of `width` on grid y
 _lock = threading.Lock()
 _compiled = None
 
@@ -23,7 +24,7 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
     """[C, width] fp32 with out[c, r] = x[r, c] (zero for r >= R), from a CUDA fp32 x [R, C]
     whose columns are contiguous; None when the kernel does not apply (the caller copies)."""
     if (not split._kernels_on() or x.dtype != torch.float32 or x.device.type != "cuda"
-            or x.dim() != 2 or x.stride(1) != 1):
+            or x.dim() != 2 or x.stride(1) != 1 or -(-width // 32) > _GRID_Y_MAX):
         return None
     out = torch.empty((x.shape[1], width), dtype=x.dtype, device=x.device)
     if out.numel():

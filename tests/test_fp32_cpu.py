@@ -119,5 +119,5 @@ def test_split_and_chunked_kernels_compile_on_cpu():
     for call in aot._split_variants(b, "core"):
         fn = kcompile.build(kcompile.KernelKey.for_bucket(b, arch="sm_90a", **call))
         assert fn is not None
-    for scheme in ("scaled", "scaled_rows", "exact"):
+    for scheme in ("scaled", "exact"):
         assert split._compile_kernel(scheme, "a") is not None

@@ -1,7 +1,8 @@
 """The fp32 tier's operand split in one pass (any GPU from sm_80 up).
 
-`SplitFp16Parts` writes what `detgemm_cute.split.operand` computes with several PyTorch
-kernels, reading each fp32 value once and writing its three fp16 slots once: for a row r and
+`SplitFp16Parts` writes what `detgemm_cute.split.operand` (with `split.row_scales`) computes
+with several PyTorch kernels, reading each fp32 value from DRAM once and writing its three
+fp16 slots once: for a row r and
 a 32-wide block j of K, x = X[r, 32j:32j+32] * S[r] (exact: S[r] is a power of two),
 hi = fp16(x), and the block's 96 output values are, per operand side,
 
@@ -10,10 +11,10 @@ hi = fp16(x), and the block's 96 output values are, per operand side,
 (fp16(hi - x) = -lo; see split.py for why the signs sit there). Every value is one IEEE
 round-to-nearest-even conversion of an exact fp32 value, so the bits equal the reference's.
 
-Work: one thread per 4 consecutive values (one 16-byte load, three 8-byte stores), threads
-in memory order, so a warp reads 512 contiguous bytes and writes three 64-byte runs per
-block. Inputs: X [rows, blocks, 8, 4] fp32 (unit stride inside a row), S [rows] fp32, out
-[rows, blocks, 3, 8, 4] fp16, contiguous.
+Work: 4 consecutive values per thread (one 16-byte load, three 8-byte stores), threads in
+memory order, so a warp reads 512 contiguous bytes and writes three 64-byte runs per block.
+Inputs: X [rows, blocks, 8, 4] fp32 (unit stride inside a row); S [rows] fp32 (written by
+`SplitFp16Parts`, which also computes it); out [rows, blocks, 3, 8, 4] fp16, contiguous.
 """
 
 from __future__ import annotations
@@ -52,46 +53,23 @@ def _load_quad(mX: cute.Tensor, r, j, q):
     return xs.load()
 
 
+_SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
+_WARPS = _THREADS // 32
+
+
 class SplitFp16Parts:
-    """One pass of the scaled fp16 split for operand side "a" or "b"."""
+    """The scaled fp16 split of operand side "a" or "b", with its row scales
+    (`split.row_scales`), in one kernel: one CTA per row. Pass 1 takes the integer maximum of
+    |x|'s bits over the row (a NaN dominates, as in PyTorch's inf-norm); thread 0 builds
+    the scale 2^(13 - floor(log2 max|x|)), clamped to [2^-126, 2^127], from exponent bits and
+    writes it to S[r]. Pass 2 re-reads the row (now in L2) and writes its parts, 4 values per
+    thread. One DRAM read of X."""
 
     def __init__(self, side: str):
         if side not in ("a", "b"):
             raise ValueError(f"side must be 'a' or 'b', got {side!r}")
         self.neg_lo_group = 0 if side == "a" else 1  # where fp16(hi - x) goes
         self.neg_hi_group = 1 - self.neg_lo_group
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, stream):
-        self.kernel(mX, mS, mO).launch(grid=_grid(mX), block=[_THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor):
-        ok, r, j, q = _this_quad(mX)
-        if ok:
-            self._write_parts(mO, r, j, q, _load_quad(mX, r, j, q) * mS[r])
-
-    @cute.jit
-    def _write_parts(self, mO: cute.Tensor, r, j, q, x):
-        """The three fp16 groups of 4 scaled values x (exact products) at row r, block j."""
-        hi = x.to(cutlass.Float16)
-        for group, value in ((self.neg_lo_group, (hi.to(cutlass.Float32) - x)),
-                             (self.neg_hi_group, -x), (2, x)):
-            part = cute.make_rmem_tensor((_VEC,), cutlass.Float16)
-            part.store(value.to(cutlass.Float16))
-            cute.autovec_copy(part, mO[(r, j, group, q, None)])
-
-
-_SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
-_WARPS = _THREADS // 32
-
-
-class ScaledSplitFp16Parts(SplitFp16Parts):
-    """`SplitFp16Parts` with the row scales computed in the same kernel (split.row_scales):
-    one CTA per row; pass 1 takes the integer maximum of |x|'s bits over the row (a NaN
-    dominates, as in PyTorch's inf-norm), the scale 2^(13 - floor(log2 max|x|)) clamped to
-    [2^-126, 2^127] is built from exponent bits and written to S[r]; pass 2 re-reads the row
-    (now in L2) and writes its parts. One DRAM read of X instead of two."""
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, stream):
@@ -133,6 +111,16 @@ class ScaledSplitFp16Parts(SplitFp16Parts):
         for u in cutlass.range(tidx, units, _THREADS, unroll=1):
             j, q = u // quads, u % quads
             self._write_parts(mO, r, j, q, _load_quad(mX, r, j, q) * scale)
+
+    @cute.jit
+    def _write_parts(self, mO: cute.Tensor, r, j, q, x):
+        """The three fp16 groups of 4 scaled values x (exact products) at row r, block j."""
+        hi = x.to(cutlass.Float16)
+        for group, value in ((self.neg_lo_group, (hi.to(cutlass.Float32) - x)),
+                             (self.neg_hi_group, -x), (2, x)):
+            part = cute.make_rmem_tensor((_VEC,), cutlass.Float16)
+            part.store(value.to(cutlass.Float16))
+            cute.autovec_copy(part, mO[(r, j, group, q, None)])
 
 
 class SplitBf16Exact:
