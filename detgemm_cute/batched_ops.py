@@ -90,10 +90,14 @@ def _direct(ts) -> bool:
 
 
 def bmm(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
-        out_dtype: torch.dtype | None = None) -> Tensor:
+        out_dtype: torch.dtype | None = None, precision: str | None = None) -> Tensor:
     """``a [L, M, K] @ b [L, K, N]`` (+ ``bias [N]``, added in fp32 before the one rounding)
     -> ``[L, M, N]`` in ``out_dtype`` (default: a's dtype). One launch for all entries;
-    each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast)."""
+    each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast).
+    `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision."""
+    if precision is not None:
+        with split.fp32_precision(precision):
+            return bmm(a, b, bias=bias, out_dtype=out_dtype)
     if _direct((a, b, bias)) and not (isinstance(a, Tensor) and a.is_meta):
         return batched.checked_bmm(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
     return torch.ops.detgemm.bmm(a, b, bias, out_dtype)

@@ -19,6 +19,7 @@ import torch
 
 from . import grads as _grads
 from . import ops as _ops
+from . import split as _split
 from .gemm import checked_gemm as _checked_gemm
 
 _Tensor, _Parameter, _NoneType = torch.Tensor, torch.nn.Parameter, type(None)
@@ -84,8 +85,14 @@ def _meta(t) -> bool:
     return isinstance(t, _Tensor) and t.is_meta
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None):
-    """``a [M, K] @ b [K, N]`` -> ``[M, N]`` in ``out_dtype`` (default: a's dtype)."""
+def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+       precision: str | None = None):
+    """``a [M, K] @ b [K, N]`` -> ``[M, N]`` in ``out_dtype`` (default: a's dtype).
+    `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision, as
+    `fp32_precision` would set it (None: the thread's / torch's)."""
+    if precision is not None:
+        with _split.fp32_precision(precision):
+            return mm(a, b, out_dtype=out_dtype)
     if _via_op((a, b)):
         _op_args((a, b), _MM_NAMES, "detgemm_cute.mm")
         return torch.ops.detgemm.mm(a, b, out_dtype)
@@ -98,8 +105,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
-          out_dtype: torch.dtype | None = None):
-    """``bias [N] + a [M, K] @ b [K, N]``; the bias is added in fp32 before the rounding."""
+          out_dtype: torch.dtype | None = None, precision: str | None = None):
+    """``bias [N] + a [M, K] @ b [K, N]``; the bias is added in fp32 before the rounding.
+    `precision` as for `mm`."""
+    if precision is not None:
+        with _split.fp32_precision(precision):
+            return addmm(bias, a, b, out_dtype=out_dtype)
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"detgemm_cute.addmm: bias must be a torch.Tensor, got "
                         f"{type(bias).__name__} (use detgemm_cute.mm for no bias)")
@@ -115,8 +126,12 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None):
-    """Like ``F.linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` -> ``[..., N]``."""
+           out_dtype: torch.dtype | None = None, precision: str | None = None):
+    """Like ``F.linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` -> ``[..., N]``.
+    `precision` as for `mm` (eager autograd runs the backward at it too)."""
+    if precision is not None:
+        with _split.fp32_precision(precision):
+            return linear(x, weight, bias, out_dtype=out_dtype)
     if _via_op((x, weight, bias)):
         _op_args((x, weight, bias), _LINEAR_NAMES, "detgemm_cute.linear")
         return torch.ops.detgemm.linear(x, weight, bias, out_dtype)
@@ -147,8 +162,12 @@ def _no_grad_buffer(acc, op):
 
 
 def input_grad(grad_output: torch.Tensor, weight: torch.Tensor, *,
-               out_dtype: torch.dtype | None = None):
-    """dX of ``linear``: ``grad_output [..., N] @ weight [N, K]`` -> ``[..., K]``."""
+               out_dtype: torch.dtype | None = None, precision: str | None = None):
+    """dX of ``linear``: ``grad_output [..., N] @ weight [N, K]`` -> ``[..., K]``.
+    `precision` as for `mm`."""
+    if precision is not None:
+        with _split.fp32_precision(precision):
+            return input_grad(grad_output, weight, out_dtype=out_dtype)
     ts = (grad_output, weight)
     if _grads_via_op(ts):
         _op_args(ts, ("grad_output", "weight"), "detgemm_cute.input_grad")

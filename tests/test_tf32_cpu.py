@@ -158,3 +158,21 @@ def test_fp32_bmm_on_cpu_is_mm_per_entry(precision):
         y = dg.bmm(a, b)
         for i in range(3):
             assert R.same_bits(y[i], dg.mm(a[i], b[i]))
+
+
+def test_precision_argument_on_the_ops():
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(10, 24, generator=g), torch.randn(6, 24, generator=g)
+    for p in ("tf32", "ieee"):
+        with dg.fp32_precision(p):
+            want_lin, want_mm = dg.linear(x, w), dg.mm(x, w.t())
+            want_dx = dg.input_grad(want_lin, w)
+            want_bmm = dg.bmm(x.expand(2, 10, 24), w.t().expand(2, 24, 6))
+        assert R.same_bits(dg.linear(x, w, precision=p), want_lin)
+        assert R.same_bits(dg.mm(x, w.t(), precision=p), want_mm)
+        assert R.same_bits(dg.addmm(w[:, 0], x, w.t(), precision=p), want_mm + w[:, 0])
+        assert R.same_bits(dg.input_grad(want_lin, w, precision=p), want_dx)
+        assert R.same_bits(dg.bmm(x.expand(2, 10, 24), w.t().expand(2, 24, 6), precision=p),
+                           want_bmm)
+    with pytest.raises(ValueError, match="precision"):
+        dg.linear(x, w, precision="fp64")
