@@ -150,7 +150,7 @@ def _cpu_fp32_demo(g) -> bool:
     with dg.fp32_precision("tf32"):
         t = dg.linear(x, w)
     err_t = ((t.double() - ref).norm() / ref.norm()).item()
-    print(f'precision "tf32" (11-bit inputs, one product): relative error {err_t:.1e}')
+    print(f'precision "tf32" (inputs rounded to TF32, 8-wide chain): relative error {err_t:.1e}')
     return same
 
 
