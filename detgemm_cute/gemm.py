@@ -204,6 +204,9 @@ def swapped_operands(a, b, b_form):
     return (b if b_form == "nk" else b.t()), a, "nk"
 
 
+_KEY_TIER = 3  # where `_key` puts the tier
+
+
 def _key(a, b, b_form, bias, out_dtype, op="fwd", acc=None, tier=0):
     """Everything the plan and the input checks depend on, so a hit needs neither again.
     (Built on every call: attribute reads in one tuple; fp32 inputs also read the precision,
@@ -252,8 +255,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         c = _on_cpu(a, b, b_form, bias, out_dtype, acc, op)
         return out.copy_(c) if out is not None else c
     tier = split_in
-    if a.dtype is _F32 and not split_in:
-        tier = _fp32_route(op)
+    if a.dtype is _F32 and not split_in:  # the route `checked_gemm`'s key already read
+        tier = key[_KEY_TIER] if key is not None else _fp32_route(op)
         if tier != TF32:
             return _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out)
     if plan is None:

@@ -40,9 +40,9 @@ DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
 # where an op has fp32 buckets they must cover every (M, N, K) as well.
 REQUIRED_DTYPES = ("bf16", "fp16")
-# Ops the fp32 tier's "fp32" (split) buckets serve (fp32 bmm at "ieee" runs entry by entry). "fp32" buckets serve its full
-# precision (split operands), "tf32" buckets its TF32 precision (fp32 operands read as TF32 by
-# the tensor cores); dW runs full precision at either setting.
+# Ops of the fp32 tier's buckets: "fp32" buckets serve its full precision (split operands;
+# fp32 bmm at "ieee" runs entry by entry on fwd buckets), "tf32" buckets its TF32 precision
+# (fp32 operands read as TF32 by the tensor cores); dW runs full precision at either setting.
 FP32_OPS = ("fwd", "dx", "dw")
 TF32_OPS = ("fwd", "dx", "bmm")  # fp32 bmm at "ieee" runs entry by entry on fwd buckets
 # Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.

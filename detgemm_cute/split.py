@@ -209,14 +209,21 @@ def _blocked(x, block):
     return x, rows, blocks
 
 
-def _kernel(scheme: str, side: str):
-    fn = _kernels.get((scheme, side))
+def compiled_once(name, build):
+    """`build()` (a compiled helper kernel) once per `name` per process, thread-safe."""
+    fn = _kernels.get(name)
     if fn is None:
         with _kernel_lock:
-            fn = _kernels.get((scheme, side))
+            fn = _kernels.get(name)
             if fn is None:
-                fn = _kernels[(scheme, side)] = _compile_kernel(scheme, side)
+                fn = _kernels[name] = build()
     return fn
+
+
+def _kernel(scheme: str, side: str):
+    fn = _kernels.get((scheme, side))
+    return fn if fn is not None else compiled_once((scheme, side),
+                                                   lambda: _compile_kernel(scheme, side))
 
 
 def _compile_kernel(scheme: str, side: str):

@@ -9,15 +9,11 @@ back to PyTorch's copy. The bits are the same either way: a copy.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from . import split
 
 _GRID_Y_MAX = 65535  # the kernel puts 32-wide tiles of `width` on grid y
-_lock = threading.Lock()
-_compiled = None
 
 
 def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -28,17 +24,8 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
         return None
     out = torch.empty((x.shape[1], width), dtype=x.dtype, device=x.device)
     if out.numel():
-        _kernel()(x, out)
+        split.compiled_once("transpose32", _compile)(x, out)
     return out
-
-
-def _kernel():
-    global _compiled
-    if _compiled is None:
-        with _lock:
-            if _compiled is None:
-                _compiled = _compile()
-    return _compiled
 
 
 def _compile():
