@@ -27,7 +27,11 @@ _REQUIRED = {
              ("ldmatrix", r"ldmatrix\.sync\.aligned")),
 }
 
-_TF32_MMA = ("wgmma.mma_async ... .f32.tf32.tf32", r"wgmma\.mma_async\S*\.f32\.tf32\.tf32")
+# tf32 buckets: the family's TF32 MMA in place of its 16-bit one (the first requirement).
+_TF32_MMA = {"sm90": ("wgmma.mma_async ... .f32.tf32.tf32",
+                      r"wgmma\.mma_async\S*\.f32\.tf32\.tf32"),
+             "sm80": ("mma.sync.aligned.m16n8k8 ... .f32.tf32.tf32",
+                      r"mma\.sync\.aligned\.m16n8k8\S*\.f32\.tf32\.tf32")}
 
 # "core": one key per bucket and dtype plus an fp32-output, [K, N]-weight variant;
 # "all": every dtype x output x layout x bias combination the op layer can ask for.
@@ -37,8 +41,10 @@ _LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m"
 def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None) -> list[str]:
     """Problems with one kernel's PTX (empty when it passes); `family` is the registry arch
     of the kernel ("sm90" or "sm80"), which decides the instructions that must be there;
-    `dtype` "tf32" also requires the TF32 WGMMA."""
-    required = _REQUIRED[family] + ((_TF32_MMA,) if dtype == "tf32" else ())
+    `dtype` "tf32" requires the family's TF32 MMA instead of its 16-bit one."""
+    required = _REQUIRED[family]
+    if dtype == "tf32":
+        required = (_TF32_MMA[family],) + required[1:]
     problems = [f"missing {name}" for name, pat in required if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
     return problems

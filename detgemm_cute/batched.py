@@ -21,7 +21,7 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
-from .gemm import (_ALIGN, _NAMES, TF32, _current_device, _forced, _gpu_arch, _require_sm90,
+from .gemm import (_ALIGN, _NAMES, TF32, _current_device, _forced, _gpu_arch,
                    arch_of, gemm, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
@@ -113,7 +113,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if _shared_weight_rows(a, b):
         return gemm(a.reshape(lb * m, k), b[0], "kn", bias, out_dtype, op="fwd").view(lb, m, n)
     if a.dtype == torch.float32:
-        _require_sm90(a)
         if split.precision() != TF32:  # "ieee": the split tier, entry by entry (2-D GEMMs)
             return torch.stack([gemm(a[i], b[i], "kn", bias, out_dtype, op="fwd")
                                 for i in range(lb)])

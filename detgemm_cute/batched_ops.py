@@ -15,6 +15,10 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 The grouped forms launch one GEMM per non-empty group and read ``offs`` on the host (one
 device sync per call; not capturable in a CUDA graph). Their backward (2-D x 3-D form):
 dA is the 2-D x 3-D form against b^T, dB the 2-D x 2-D form.
+
+fp32 inputs run the fp32 tier per group (`split`): the 2-D x 3-D form at the current
+precision ("tf32": each expert weight not stored K-major is staged per call), the 2-D x 2-D
+form -- dW's GEMM -- at full precision always. The backward runs at the forward's precision.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import batched, split
-from .errors import check_bmm_args, check_operand_dtypes, check_out_and_bias
+from .errors import GEMM_DTYPES, check_bmm_args, check_operand_dtypes, check_out_and_bias
 from .gemm import gemm
 
 _NAMES = ("a", "b", "bias")
@@ -175,7 +179,7 @@ def _group_ends(offs: Tensor, total: int, op: str) -> list[int]:
 
 
 def check_grouped_args(a, b, offs, out_dtype, op):
-    check_operand_dtypes(a, b, "a", "b", op)
+    check_operand_dtypes(a, b, "a", "b", op, GEMM_DTYPES)
     check_out_and_bias(out_dtype, None, 0, a.dtype, "a", "bias", op)
     if b.device != a.device:
         raise ValueError(f"{op}: b is on {b.device} but a is on {a.device}")
@@ -262,6 +266,7 @@ def _setup_grouped(ctx, inputs, output):
     a, b, offs, _ = inputs
     ctx.form = (a.dim(), b.dim())
     ctx.in_dtype = a.dtype
+    ctx.fp32_precision = split.forward_precision(a.dtype)  # backward runs at it too
     ctx.save_for_backward(a, b, offs)
 
 
@@ -269,15 +274,14 @@ def _backward_grouped(ctx, grad):
     a, b, offs = ctx.saved_tensors
     g = grad if grad.dtype == ctx.in_dtype else grad.to(ctx.in_dtype)
     op = torch.ops.detgemm.grouped_mm
-    if ctx.form == (3, 3):
-        ga = op(g, b.transpose(1, 2), None, ctx.in_dtype) if ctx.needs_input_grad[0] else None
-        gb = op(a.transpose(1, 2), g, None, ctx.in_dtype) if ctx.needs_input_grad[1] else None
-        return ga, gb, None, None
-    if ctx.form != (2, 3):
+    if ctx.form not in ((3, 3), (2, 3)):
         raise RuntimeError("detgemm::grouped_mm: backward is implemented for the 2-D x 3-D "
                            "(mixture-of-experts) and 3-D x 3-D forms")
-    ga = op(g, b.transpose(1, 2), offs, ctx.in_dtype) if ctx.needs_input_grad[0] else None
-    gb = op(a.t(), g, offs, ctx.in_dtype) if ctx.needs_input_grad[1] else None
+    a_t = a.transpose(-1, -2)
+    offs = None if ctx.form == (3, 3) else offs
+    with split.at_precision(ctx.fp32_precision):
+        ga = op(g, b.transpose(-1, -2), offs, ctx.in_dtype) if ctx.needs_input_grad[0] else None
+        gb = op(a_t, g, offs, ctx.in_dtype) if ctx.needs_input_grad[1] else None
     return ga, gb, None, None
 
 
@@ -285,9 +289,14 @@ grouped_mm_op.register_autograd(_backward_grouped, setup_context=_setup_grouped)
 
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *,
-               out_dtype: torch.dtype | None = None) -> Tensor:
+               out_dtype: torch.dtype | None = None, precision: str | None = None) -> Tensor:
     """Grouped GEMM in ``torch._grouped_mm``'s forms; each row (2-D x 3-D) or group (2-D x
-    2-D) is the chain of that row or group alone. See the module docstring."""
+    2-D) is the chain of that row or group alone. See the module docstring.
+    `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision (the 2-D x 2-D
+    weight-gradient form runs full precision at either, as dW does)."""
+    if precision is not None:
+        with split.fp32_precision(precision):
+            return grouped_mm(a, b, offs, out_dtype=out_dtype)
     if _direct((a, b, offs)) and not (isinstance(a, Tensor) and a.is_meta):
         return _grouped_impl(a, b, offs, out_dtype, "detgemm_cute.grouped_mm")
     return torch.ops.detgemm.grouped_mm(a, b, offs, out_dtype)

@@ -158,10 +158,8 @@ def build(key: KernelKey, extra_options: str = ""):
 def _kernel_options(key: KernelKey) -> dict:
     """Constructor options only some kernel families take."""
     opts = {}
-    if key.split or key.swap_ab:
-        if family_of(key.arch) != "sm90":
-            raise ValueError(f"the fp32 (split) tier and swapped operands have sm90 kernels "
-                             f"only, not {key.arch}")
+    if key.swap_ab and family_of(key.arch) != "sm90":
+        raise ValueError(f"swapped operands have sm90 kernels only, not {key.arch}")
     if key.split:
         opts["chunked"] = True
     if key.swap_ab:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
-# mm / linear / dX / dW / bmm also take fp32 inputs (the fp32 tier); grouped_mm takes IN_DTYPES.
+# Every op also takes fp32 inputs (the fp32 tier).
 GEMM_DTYPES = IN_DTYPES + (torch.float32,)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_DIM = 2**31 - 1

@@ -154,8 +154,6 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     arch = arch_of(a.device)
     tf32 = tier == TF32
     split_in = 0 if tf32 else tier
-    if tf32:
-        _require_sm90(a)
     dtype = TF32 if tf32 else _NAMES[a.dtype]
     forced = _forced.name
     table_dtype = "fp32" if split_in else dtype
@@ -310,7 +308,6 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
     bias and the one rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing
     `acc`. (Precision "tf32" runs the TF32 kernels through the plain path instead.)"""
-    _require_sm90(a)
     b_nk = b if b_form == "nk" else b.t()
     if op == "dw":
         a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")
@@ -331,13 +328,6 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     if out_dtype is not None and out_dtype != torch.float32:
         y = y.to(out_dtype)
     return out.copy_(y) if out is not None else y
-
-
-def _require_sm90(a):
-    if arch_of(a.device) != "sm90":
-        raise RuntimeError("detgemm_cute: fp32 inputs run on the sm90 kernel family (H100/H200) "
-                           "only; the sm80 family has no fp32 kernels. Cast to bf16/fp16, or "
-                           "use torch.autocast")
 
 
 def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):

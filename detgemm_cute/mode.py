@@ -22,8 +22,8 @@ a dX-shaped one (``dx``), anything else ``fwd`` -- tables change speed, never bi
 
 fp32 ``mm``/``addmm``/``mv``/``bmm``/``baddbmm`` run on the fp32 tier (`split`; its precision
 follows ``torch.backends.cuda.matmul``'s TF32 switch or `detgemm_cute.fp32_precision`: fp32
-``bmm`` is one launch at "tf32", entry by entry at "ieee"); fp32 ``_grouped_mm`` is not built
-yet and falls back. What detgemm cannot take (that, other dtypes, mixed dtypes, a GPU
+``bmm`` is one launch at "tf32", entry by entry at "ieee"; fp32 ``_grouped_mm`` one GEMM per
+group). What detgemm cannot take (other dtypes, mixed dtypes, a GPU
 without detgemm kernels) falls back to PyTorch's own kernel (the original, obtained with
 ``torch.library.get_kernel``) with a one-time warning naming the op and what is no longer
 guaranteed; ``strict=True`` raises instead. Malformed calls (wrong ranks or shapes) go to
@@ -45,8 +45,7 @@ from .batched_ops import _grouped_impl, bias_row, broadcasts_to, scaled_sum
 from .errors import GEMM_DTYPES, IN_DTYPES
 from .gemm import arch_of, gemm
 
-_IN_GROUPED = IN_DTYPES  # _grouped_mm: 16-bit only
-_IN_GEMM = GEMM_DTYPES  # every other op: fp32 runs on the fp32 tier
+_IN_GEMM = GEMM_DTYPES  # fp32 runs on the fp32 tier
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _lock = threading.RLock()
 _stack: list[bool] = []  # strictness of each active enable(), innermost last
@@ -114,10 +113,7 @@ class _Fallback(Exception):
 
 def _route(op: str, *ts):
     """Count a routed call, or decide a fallback (raise when strict)."""
-    why = _problem(*ts, dtypes=_IN_GROUPED if op.startswith("_grouped_mm") else _IN_GEMM)
-    if why is None and ts[0].dtype == torch.float32 and ts[0].is_cuda and \
-            arch_of(ts[0].device) != "sm90":
-        why = "float32 inputs on the sm80 kernel family (fp32 runs on sm90 only)"
+    why = _problem(*ts, dtypes=_IN_GEMM)
     if why is None:
         _routed[(op, _NAMES[ts[0].dtype])] += 1
         return

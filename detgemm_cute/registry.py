@@ -614,8 +614,8 @@ class Registry:
                 return self._resolve(b, m, n, k)
         if not self.table(op, dtype) and dtype not in REQUIRED_DTYPES:
             raise NoBucketError(
-                f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on the "
-                f"sm90 family's fwd, dx and dw only; tf32 on its fwd, dx and bmm)")
+                f"the {self.arch} tables have no {dtype} buckets for op {op} (fp32 runs on "
+                f"fwd, dx and dw; tf32 on fwd, dx and bmm)")
         raise NoBucketError(
             f"no {self.arch} bucket serves op {op} dtype {dtype} at M={m}, N={n}, K={k}; the "
             f"built-in table declares ops: {', '.join(self.ops) or 'none'}")

@@ -185,7 +185,8 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
     if rows:
         x4 = x.as_strided((rows, blocks, BLOCK_K // 4, 4),
                           (x.stride(0) if rows > 1 else blocks * BLOCK_K, BLOCK_K, 4, 1))
-        _kernel("scaled", side)(x4, scale, out.view(rows, blocks, 3, BLOCK_K // 4, 4))
+        _kernel("scaled", side, x.device)(x4, scale,
+                                          out.view(rows, blocks, 3, BLOCK_K // 4, 4))
     return out, scale
 
 
@@ -220,13 +221,28 @@ def compiled_once(name, build):
     return fn
 
 
-def _kernel(scheme: str, side: str):
-    fn = _kernels.get((scheme, side))
-    return fn if fn is not None else compiled_once((scheme, side),
-                                                   lambda: _compile_kernel(scheme, side))
+_helper_archs: dict = {}
 
 
-def _compile_kernel(scheme: str, side: str):
+def helper_arch(device: torch.device) -> str:
+    """The ``--gpu-arch`` the helper kernels (split parts, transposes: CUDA cores only) are
+    built for on `device`: the GPU's own, e.g. sm_90 on an H100, sm_80 on an A100."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _helper_archs.get(idx)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(idx)
+        arch = _helper_archs[idx] = f"sm_{major}{minor}"
+    return arch
+
+
+def _kernel(scheme: str, side: str, device: torch.device):
+    arch = helper_arch(device)
+    fn = _kernels.get((scheme, side, arch))
+    return fn if fn is not None else compiled_once(
+        (scheme, side, arch), lambda: _compile_kernel(scheme, side, arch))
+
+
+def _compile_kernel(scheme: str, side: str, arch: str):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -243,7 +259,7 @@ def _compile_kernel(scheme: str, side: str):
                          stride=(cute.sym_int64(divisibility=8), CHUNK_K, block, 4, 1),
                          assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi --gpu-arch sm_90a"
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
     if scheme == "exact":
         return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
     s = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
@@ -293,7 +309,8 @@ def exact_operand_cuda(x: torch.Tensor, side: str) -> torch.Tensor:
         x4 = x.as_strided((rows, blocks, EXACT_BLOCK_K // 4, 4),
                           (x.stride(0) if rows > 1 else blocks * EXACT_BLOCK_K,
                            EXACT_BLOCK_K, 4, 1))
-        _kernel("exact", side)(x4, out.view(rows, blocks, STEPS, EXACT_BLOCK_K // 4, 4))
+        _kernel("exact", side, x.device)(x4, out.view(rows, blocks, STEPS,
+                                                       EXACT_BLOCK_K // 4, 4))
     return out
 
 

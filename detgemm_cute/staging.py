@@ -24,11 +24,12 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
         return None
     out = torch.empty((x.shape[1], width), dtype=x.dtype, device=x.device)
     if out.numel():
-        split.compiled_once("transpose32", _compile)(x, out)
+        arch = split.helper_arch(x.device)
+        split.compiled_once(("transpose32", arch), lambda: _compile(arch))(x, out)
     return out
 
 
-def _compile():
+def _compile(arch: str):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -40,4 +41,4 @@ def _compile():
     out = make_fake_tensor(cutlass.Float32, (c, width), stride=(cute.sym_int64(), 1),
                            assumed_align=4)
     return cute.compile(Transpose32(), x, out, make_fake_stream(use_tvm_ffi_env_stream=True),
-                        options="--enable-tvm-ffi --gpu-arch sm_90a")
+                        options=f"--enable-tvm-ffi --gpu-arch {arch}")

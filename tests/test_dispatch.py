@@ -167,8 +167,8 @@ def test_bad_arguments():
         D.lookup("fwd", "fp64", "sm90", 1, 8, 8)
     with pytest.raises(R.NoBucketError, match="the sm90 tables have no fp32 buckets for op bmm"):
         D.lookup("bmm", "fp32", "sm90", 1, 8, 8)  # the fp32 tier has fwd/dx/dw only
-    with pytest.raises(R.NoBucketError, match="the sm80 tables have no fp32 buckets for op fwd"):
-        D.lookup("fwd", "fp32", "sm80", 1, 8, 8)  # and SM90 kernels only
+    with pytest.raises(R.NoBucketError, match="the sm80 tables have no tf32 buckets for op dw"):
+        D.lookup("dw", "tf32", "sm80", 1, 8, 8)  # dW runs full precision at either setting
     with pytest.raises(R.NoBucketError, match="named 'nope'"):
         D.bucket_by_name("sm90", "nope")
     with pytest.raises(ValueError, match="unknown arch 'sm70'"):

@@ -105,10 +105,17 @@ def test_fp32_bucket_rules():
     assert sm90_limits.check_config((128, 256, 96), (1, 1), 2, False, dtypes=("fp32",))
     assert sm90_limits.check_config((128, 128, 96), (1, 1), 4, False, dtypes=("bf16", "fp32"))
     assert sm90_limits.check_config((128, 128, 96), (1, 1), 4, False, dtypes=("bf16",))
+    # sm80: BK 96 chunks, two fp32 fragments of at most 64 values per thread
+    assert sm80_limits.check_config((64, 128, 96), (1, 1), 4, False, dtypes=("fp32",)) == []
     assert sm80_limits.check_config((128, 128, 32), (1, 1), 3, False, dtypes=("fp32",))
-    reg = registry.get_registry("sm90")
-    assert {b.op for b in reg.buckets if "fp32" in b.dtypes} == set(registry.FP32_OPS)
-    assert reg.lookup("fwd", "fp32", 5000, 4096, 4096).tile[2] == sm90_limits.SPLIT_TILE_K
+    assert "two fp32 fragments" in str(
+        sm80_limits.check_config((128, 128, 96), (1, 1), 3, False, dtypes=("fp32",)))
+    assert sm80_limits.check_config((64, 128, 96), (1, 1), 4, False, dtypes=("fp16", "fp32"))
+    for arch, limits in (("sm90", sm90_limits), ("sm80", sm80_limits)):
+        reg = registry.get_registry(arch)
+        assert {b.op for b in reg.buckets if "fp32" in b.dtypes} == set(registry.FP32_OPS)
+        for m in (1, 100, 5000):
+            assert reg.lookup("fwd", "fp32", m, 4096, 4096).tile[2] == limits.SPLIT_TILE_K
 
 
 def test_split_and_chunked_kernels_compile_on_cpu():
@@ -120,4 +127,5 @@ def test_split_and_chunked_kernels_compile_on_cpu():
         fn = kcompile.build(kcompile.KernelKey.for_bucket(b, arch="sm_90a", **call))
         assert fn is not None
     for scheme in ("scaled", "exact"):
-        assert split._compile_kernel(scheme, "a") is not None
+        for arch in ("sm_90", "sm_80"):  # CUDA-core helpers: built for the GPU's own arch
+            assert split._compile_kernel(scheme, "a", arch) is not None

@@ -1,4 +1,5 @@
-"""The fp32 tier on the GPU (SM90): the split, chunked chain of `detgemm_cute.split`.
+"""The fp32 tier on the GPU, on each kernel family the GPU runs: the split, chunked chain
+of `detgemm_cute.split`.
 
 Bits against the CPU reference (which runs the same split and the same chunked chain), the
 invariances of the bf16 tier (every M, every fp32 bucket, chunked rows, run to run, dW
@@ -7,15 +8,17 @@ micro-batches), autograd and the mode, and accuracy against cuBLAS SGEMM with TF
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the fp32 tier has SM90 kernels only", allow_module_level=True)
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("needs an SM80+ GPU (each family the GPU can run is tested)",
+                allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import reference, registry  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import (SWEEP_M, assert_linear_matches_reference, graph_replayed,  # noqa: E402
+from gpu_helpers import (FAMILIES, SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
+                         current_family, family, graph_replayed,
                          poison, same_bits, torch_tf32)
 
 DEV = "cuda"
@@ -30,8 +33,14 @@ def rand(*shape, g=None, spread=False):
     return x
 
 
-def fp32_buckets():
-    return [b for b in registry.get_registry("sm90").buckets if "fp32" in b.dtypes]
+def fp32_buckets(family=None):
+    """The fp32 buckets of `family` (default: the one this test runs on)."""
+    reg = registry.get_registry(family or current_family())
+    return [b for b in reg.buckets if "fp32" in b.dtypes]
+
+
+# Every bucket name of every family tested; a test skips the names its family lacks.
+FP32_BUCKET_NAMES = sorted({b.name for f in FAMILIES for b in fp32_buckets(f)})
 
 
 def ref_linear(x, w, bias=None, out_dtype=None):
@@ -55,11 +64,13 @@ def test_16bit_output_is_one_rounding(out_dtype):
     assert same_bits(y, y32.to(out_dtype))
 
 
-@pytest.mark.parametrize("bucket", [b.name for b in fp32_buckets()])
+@pytest.mark.parametrize("bucket", FP32_BUCKET_NAMES)
 def test_every_fp32_bucket_same_bits(bucket):
     x, w, bias = rand(333, 1000), rand(264, 1000), rand(264)
     want = ref_linear(x, w, bias)
-    b = next(b for b in fp32_buckets() if b.name == bucket)
+    b = next((b for b in fp32_buckets() if b.name == bucket), None)
+    if b is None:
+        pytest.skip(f"{current_family()} has no bucket {bucket}")
     poison()
     with dg.force_bucket(bucket):
         if b.op == "fwd":

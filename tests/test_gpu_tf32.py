@@ -1,7 +1,8 @@
-"""fp32 inputs at precision "tf32" on the GPU (SM90 TF32 kernels).
+"""fp32 inputs at precision "tf32" on the GPU, on each kernel family the GPU runs.
 
-The kernels read fp32 operands through TF32 TMA tensor maps (each value rounded to TF32)
-and run TF32 WGMMA; the CPU reference models that chain (`split.tf32_round`, 8-wide blocks).
+SM90 reads fp32 operands through TF32 TMA tensor maps (each value rounded to TF32) and runs
+TF32 WGMMA; SM80 rounds them to TF32 in registers and runs m16n8k8 TF32 mma.sync; the CPU
+reference models that chain (`split.tf32_round`, 8-wide blocks) for both.
 Bits against the reference (layouts, K tails, bias, output dtypes, edge values), every tf32
 bucket forced, rows invariant at every M and under chunking, graphs, autograd, the mode, and
 accuracy next to cuBLAS TF32."""
@@ -9,15 +10,17 @@ accuracy next to cuBLAS TF32."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the tf32 kernels are SM90 only", allow_module_level=True)
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("needs an SM80+ GPU (each family the GPU can run is tested)",
+                allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import reference, registry, split  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import (SWEEP_M, assert_linear_matches_reference, graph_replayed,  # noqa: E402
+from gpu_helpers import (FAMILIES, SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
+                         current_family, family, graph_replayed,
                          poison, rel_err, same_bits, torch_tf32)
 
 DEV = "cuda"
@@ -42,8 +45,14 @@ def ref_linear(x, w, bias=None, out_dtype=None):
     return reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(), out_dtype)
 
 
-def tf32_buckets():
-    return [b for b in registry.get_registry("sm90").buckets if "tf32" in b.dtypes]
+def tf32_buckets(family=None):
+    """The tf32 buckets of `family` (default: the one this test runs on)."""
+    reg = registry.get_registry(family or current_family())
+    return [b for b in reg.buckets if "tf32" in b.dtypes]
+
+
+# Every bucket name of every family tested; a test skips the names its family lacks.
+TF32_BUCKET_NAMES = sorted({b.name for f in FAMILIES for b in tf32_buckets(f)})
 
 
 # (the CPU reference costs M * N * K / 8 block steps: shapes stay below ~50M products)
@@ -74,10 +83,12 @@ def test_16bit_output_is_one_rounding(out_dtype):
     assert same_bits(dg.linear(x, w, out_dtype=out_dtype), dg.linear(x, w).to(out_dtype))
 
 
-@pytest.mark.parametrize("bucket", [b.name for b in tf32_buckets()])
+@pytest.mark.parametrize("bucket", TF32_BUCKET_NAMES)
 def test_every_tf32_bucket_same_bits(bucket):
     x, w, bias = rand(333, 400, spread=8), rand(136, 400), rand(136)
-    b = next(b for b in tf32_buckets() if b.name == bucket)
+    b = next((b for b in tf32_buckets() if b.name == bucket), None)
+    if b is None:
+        pytest.skip(f"{current_family()} has no bucket {bucket}")
     poison()
     with dg.force_bucket(bucket):
         if b.op == "fwd":
@@ -229,3 +240,26 @@ def test_bmm_mode_and_backward():
     gy = rand(6, 64, 80)
     dg.bmm(a, b).backward(gy)
     assert same_bits(a.grad, dg.bmm(gy, b.transpose(1, 2)))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_fp32_grouped_mm_rows_are_mm_of_their_group(precision):
+    """fp32 grouped_mm (mixture-of-experts form), expert weights [K, N] row-major as torch
+    stores them: each group's rows have the bits of dg.mm on those rows alone, empty groups
+    write nothing, rows past the last group are zero; the backward matches per-group GEMMs."""
+    g = torch.Generator(device=DEV).manual_seed(31)
+    x = rand(700, 256, g=g).requires_grad_()
+    w = rand(4, 256, 136, g=g).requires_grad_()
+    offs = torch.tensor([100, 100, 433, 690], dtype=torch.int32, device=DEV)
+    poison()
+    y = dg.grouped_mm(x, w, offs, precision=precision)
+    gy = rand(700, 136, g=g)
+    y.backward(gy)
+    xd, wd = x.detach(), w.detach()
+    with dg.fp32_precision(precision):
+        for s, e, ex in ((0, 100, 0), (100, 433, 2), (433, 690, 3)):
+            assert same_bits(y[s:e], dg.mm(xd[s:e], wd[ex]))
+            assert same_bits(y[s:s + 1], dg.mm(xd[s:s + 1], wd[ex]))
+            assert same_bits(x.grad[s:e], dg.mm(gy[s:e], wd[ex].t()))
+            assert same_bits(w.grad[ex], dg.weight_grad(xd[s:e], gy[s:e]))  # x^T gy
+    assert not y[690:].any() and not w.grad[1].any()

@@ -31,6 +31,25 @@ def test_every_layout_and_epilogue_compiles_for_one_tile(tmp_path):
         assert aot.audit_ptx(fn.__ptx__, "sm80") == [], key
 
 
+def test_fp32_tier_kernels_compile(tmp_path):
+    """The fp32 tier on SM80: TF32 kernels (fp32 operands, both K-major, m16n8k8 TF32 with
+    in-register rounding) with each output dtype and bias, and the chunked kernel (BK 96)
+    on fp16 and bf16 parts, from +0.0 and continuing a buffer; audited for their MMAs."""
+    cases = [("tf32", "fp32", True, False, (64, 32, 32)), ("tf32", "bf16", False, False,
+                                                             (128, 128, 64)),
+             ("fp16", "fp32", False, False, (64, 128, 96)), ("bf16", "fp32", False, True,
+                                                              (64, 16, 96))]
+    for dtype, out, bias, acc, tile in cases:
+        key = kcompile.KernelKey(tile=tile, cluster=(1, 1), stages=3, persistent=False,
+                                 dtype=dtype, out_dtype=out, a_major="k", b_form="nk",
+                                 b_contig="last", has_bias=bias, arch="sm_80", accumulate=acc,
+                                 split=dtype != "tf32")
+        fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
+        assert aot.audit_ptx(fn.__ptx__, "sm80", dtype) == [], key
+        if dtype == "tf32":  # rounded in registers: the 13 dropped bits are masked off
+            assert "-8192" in fn.__ptx__ or "0xFFFFE000" in fn.__ptx__.upper(), key
+
+
 def test_cli_compile_sm80_bucket(capsys):
     assert cli.main(["compile", "--arch", "sm_80", "--bucket", "dw_bias"]) == 0
     out = capsys.readouterr().out
@@ -50,6 +69,10 @@ def test_audit_is_per_family():
     assert "missing cp.async (non-bulk)" in problems and "missing ldmatrix" in problems
     assert aot.audit_ptx(GOOD_SM80.replace("m16n8k16", "m16n8k8"), "sm80") == \
         ["missing mma.sync.aligned.m16n8k16"]
+    tf32 = GOOD_SM80.replace("m16n8k16.row.col.f32.bf16.bf16", "m16n8k8.row.col.f32.tf32.tf32")
+    assert aot.audit_ptx(tf32, "sm80", "tf32") == []
+    assert aot.audit_ptx(GOOD_SM80, "sm80", "tf32") == \
+        ["missing mma.sync.aligned.m16n8k8 ... .f32.tf32.tf32"]
     assert any("atom" in p for p in aot.audit_ptx(GOOD_SM80 + "\n\tatom.global.add.f32 [%rd1], %f1;",
                                                   "sm80"))
     assert any("red" in p for p in aot.audit_ptx(GOOD_SM80 + "\n\t@%p1 red.global.add.f32 [%rd1], %f1;",

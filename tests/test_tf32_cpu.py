@@ -85,11 +85,17 @@ def test_tf32_bucket_rules():
     assert sm90_limits.max_stages((128, 256, 32), in_bytes=4) == 4
     assert sm90_limits.check_config((128, 128, 96), (1, 1), 3, False, dtypes=("tf32",))
     assert sm90_limits.check_config((128, 128, 32), (1, 1), 4, False, dtypes=("bf16", "tf32"))
-    assert sm80_limits.check_config((128, 128, 32), (1, 1), 3, False, dtypes=("tf32",))
-    reg = registry.get_registry("sm90")
-    assert {b.op for b in reg.buckets if "tf32" in b.dtypes} == set(registry.TF32_OPS)
-    for m in (1, 100, 777, 5000):
-        assert reg.lookup("fwd", "tf32", m, 4096, 4096).tile[2] in sm90_limits.TF32_TILE_K
+    # sm80: fp32 in shared memory, 4 bytes per element (163 KiB per block)
+    assert sm80_limits.check_config((128, 128, 32), (1, 1), 4, False, dtypes=("tf32",)) == []
+    assert sm80_limits.check_config((128, 128, 32), (1, 1), 6, False, dtypes=("tf32",))
+    assert sm80_limits.max_stages((128, 128, 32), in_bytes=4) == 5
+    assert sm80_limits.check_config((128, 128, 96), (1, 1), 3, False, dtypes=("tf32",))
+    assert sm80_limits.check_config((128, 128, 32), (1, 1), 3, False, dtypes=("bf16", "tf32"))
+    for arch, limits in (("sm90", sm90_limits), ("sm80", sm80_limits)):
+        reg = registry.get_registry(arch)
+        assert {b.op for b in reg.buckets if "tf32" in b.dtypes} == set(registry.TF32_OPS)
+        for m in (1, 100, 777, 5000):
+            assert reg.lookup("fwd", "tf32", m, 4096, 4096).tile[2] in limits.TF32_TILE_K
 
 
 def test_tf32_dw_bucket_is_refused(tmp_path):
@@ -146,7 +152,8 @@ def test_transpose_kernel_compiles_on_cpu():
     pytest.importorskip("cutlass")
     from detgemm_cute import staging
 
-    assert staging._compile() is not None
+    for arch in ("sm_90", "sm_80"):
+        assert staging._compile(arch) is not None
     assert staging.transposed(torch.randn(4, 4), 8) is None  # CPU tensors: PyTorch's copy
 
 
@@ -176,3 +183,36 @@ def test_precision_argument_on_the_ops():
                            want_bmm)
     with pytest.raises(ValueError, match="precision"):
         dg.linear(x, w, precision="fp64")
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_fp32_grouped_mm_rows_are_their_own_chain(precision):
+    """fp32 grouped_mm (mixture-of-experts form): each row is the chain of that row alone
+    at the precision asked for; the backward runs at the forward's precision (dA: the dX
+    chain against each expert, dB: dW's full-precision chain over the group's rows); the
+    mode routes fp32 ``_grouped_mm``."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(20, 40, generator=g, requires_grad=True)
+    w = torch.randn(3, 40, 12, generator=g, requires_grad=True)
+    gy = torch.randn(20, 12, generator=g)
+    offs = torch.tensor([6, 6, 17], dtype=torch.int32)
+    groups = [(0, 6, 0), (6, 17, 2)]
+    y = dg.grouped_mm(x, w, offs, precision=precision)
+    xd, wd = x.detach(), w.detach()
+    for s, e, ex in groups:
+        want = R.chain(xd[s:e], wd[ex], op="fwd", precision=precision)
+        assert R.same_bits(y[s:e], want)
+        assert R.same_bits(y[s:s + 1], want[:1])  # alone in its group: the same bits
+    assert not y[17:].any()
+    y.backward(gy)  # outside any precision block: runs at the forward's
+    for s, e, ex in groups:
+        assert R.same_bits(x.grad[s:e], R.chain(gy[s:e], wd[ex].t(), op="dx",
+                                                precision=precision))
+        assert R.same_bits(w.grad[ex], R.chain(xd[s:e].t(), gy[s:e], op="dw"))
+    assert not w.grad[1].any()
+    if hasattr(torch, "_grouped_mm"):
+        dg.reset_report()
+        with dg.fp32_precision(precision), dg.batch_invariant_mode(strict=True, cpu=True):
+            routed = torch._grouped_mm(xd, wd, offs)
+        assert R.same_bits(routed, y.detach())
+        assert dg.report().routed[("_grouped_mm", "fp32")] == 1

@@ -34,6 +34,16 @@ batch on grid z; each CTA slices its entry and runs the 2-D tile above on it.
 Epilogue (as on SM90): optional bias converted to fp32 and added once to the fp32
 accumulator, then each value rounded once (round-to-nearest-even) to the output dtype and
 stored from registers; stores past M or N are masked.
+
+The fp32 tier, as on SM90 (detgemm_cute/split.py):
+- Chunked chain (`chunked`, full precision: 16-bit parts of split fp32 operands, BK 96): each
+  k tile is one chunk. Its six ``m16n8k16`` steps run onto a second fragment that starts at
+  +0.0, and the chunk is then added to the fp32 accumulator with one IEEE add, chunks in
+  ascending K.
+- TF32 (fp32 operands, both K-major, precision "tf32"): shared memory holds the raw fp32
+  values; each fragment is rounded to TF32 in registers (round to nearest, ties to even, the
+  rounding SM90's TMA applies; a NaN stays a NaN) right before its ``mma.sync.m16n8k8``, so
+  the chain is SM90's TF32 chain of 8-wide K blocks.
 """
 
 import math
@@ -46,8 +56,11 @@ import cutlass.utils as utils
 from . import sm80_limits
 from .operands import b_as_nk, with_batch_mode
 
-_VEC = 8  # 16-bit elements per 16-byte cp.async
+_COPY_BITS = 128  # one cp.async moves 16 bytes: 8 16-bit or 4 fp32 elements
 _MMA_SHAPE = (16, 8, 16)
+_TF32_MMA_SHAPE = (16, 8, 8)
+_TF32_DROP = 13  # fraction bits TF32 drops
+_MAX_SWIZZLE_ROW_BITS = 1024  # a swizzle atom row is at most 128 bytes
 _GROUP_M = 8  # M-tiles per rasterization group
 
 
@@ -60,7 +73,7 @@ class Sm80Gemm:
     """
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
-                 accumulate: bool = False):
+                 accumulate: bool = False, chunked: bool = False):
         if tuple(cluster) != (1, 1):
             raise ValueError(f"the sm80 kernel takes cluster (1, 1), got {tuple(cluster)}")
         self.tile_shape_mnk = tuple(tile)
@@ -68,6 +81,9 @@ class Sm80Gemm:
         self.b_is_kn = b_is_kn
         self.has_bias = has_bias
         self.accumulate = accumulate
+        # Chunked chain (the fp32 tier's split operands): each k tile is summed from +0.0 on
+        # its own fragment, then added to the accumulator.
+        self.chunked = chunked
         self.acc_dtype = cutlass.Float32
         self.warp_layout = sm80_limits.warp_layout(tile[0], tile[1])
         self.num_threads = sm80_limits.threads(tile[0], tile[1])
@@ -81,12 +97,16 @@ class Sm80Gemm:
         # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
         mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
             with_batch_mode(mC)
+        # fp32 operands (K-major only) run on TF32 mma.sync (precision "tf32"): they stay
+        # fp32 through shared memory and are rounded to TF32 in registers (`_round_tf32`).
+        self.tf32 = mA.element_type == cutlass.Float32
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
         a_k_major = utils.LayoutEnum.from_tensor(mA) == utils.LayoutEnum.ROW_MAJOR
         b_k_major = utils.LayoutEnum.from_tensor(mB) == utils.LayoutEnum.ROW_MAJOR
         bm, bn, bk = self.tile_shape_mnk
+        self.vec = _COPY_BITS // self.a_dtype.width
 
         sA_layout, sA_swizzle = self._smem_layout(self.a_dtype, a_k_major, bm, bk)
         sB_layout, sB_swizzle = self._smem_layout(self.b_dtype, b_k_major, bn, bk)
@@ -98,11 +118,18 @@ class Sm80Gemm:
                                     self.b_dtype)
 
         wm, wn = self.warp_layout
+        if cutlass.const_expr(self.tf32):
+            # An 8x8 ldmatrix of 16-bit pairs is an 8-row x 4-column TF32 matrix: one x4
+            # loads A of an m16n8k8 step, or B of two n8 steps, exactly as for 16-bit.
+            shape = _TF32_MMA_SHAPE
+            mma_op = cute.nvgpu.warp.MmaTF32Op(shape)
+        else:
+            shape = _MMA_SHAPE
+            mma_op = cute.nvgpu.warp.MmaF16BF16Op(self.a_dtype, self.acc_dtype, shape)
         tiled_mma = cute.make_tiled_mma(
-            cute.nvgpu.warp.MmaF16BF16Op(self.a_dtype, self.acc_dtype, _MMA_SHAPE),
-            cute.make_layout((wm, wn, 1)),
+            mma_op, cute.make_layout((wm, wn, 1)),
             # 16 columns per warp and step, so one x4 ldmatrix feeds two n8 MMAs of B.
-            permutation_mnk=(wm * _MMA_SHAPE[0], wn * _MMA_SHAPE[1] * 2, _MMA_SHAPE[2]),
+            permutation_mnk=(wm * shape[0], wn * shape[1] * 2, shape[2]),
         )
 
         @cute.struct
@@ -121,9 +148,12 @@ class Sm80Gemm:
 
     def _smem_layout(self, dtype, k_major: bool, rows: int, bk: int):
         """(rows, BK, stages) staged layout built from 8-row (K-major) or 8-column
-        (M/N-major) atoms, with an XOR swizzle of 16-byte chunks so that both the 16-byte
-        cp.async writes and the ldmatrix reads are free of bank conflicts."""
-        major = min(bk if k_major else rows, 64)
+        (M/N-major) atoms of at most 128 bytes per row (the largest power of two dividing
+        the contiguous extent: BK 96 takes 32-wide atoms), with an XOR swizzle of 16-byte
+        chunks so that both the 16-byte cp.async writes and the ldmatrix reads are free of
+        bank conflicts."""
+        extent = bk if k_major else rows
+        major = min(extent & -extent, _MAX_SWIZZLE_ROW_BITS // dtype.width)
         bits = min(int(math.log2(major * dtype.width // 128)), 3)
         # The swizzle acts on byte addresses: 16-byte chunks (4 bits), 8 chunks per row.
         swizzle = cute.make_swizzle(bits, 4, 3)
@@ -135,23 +165,30 @@ class Sm80Gemm:
 
     def _g2s_copy(self, dtype, k_major: bool, rows: int, bk: int):
         """A tiled 16-byte cp.async.cg copy of one (rows, BK) tile: threads walk the
-        contiguous dim in 8-element vectors. Small tiles use fewer threads than the CTA."""
+        contiguous dim in 16-byte vectors (a power-of-two count of them per row: BK 96 is
+        copied as three 32-wide column blocks). Small tiles use fewer threads than the CTA."""
         atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            dtype, num_bits_per_copy=128)
+            dtype, num_bits_per_copy=_COPY_BITS)
         n_threads = self._copy_threads(rows, bk)
+        vec = self.vec
         if k_major:
-            cols = bk // _VEC
+            cols = self._copy_cols(bk)
             thr = cute.make_layout((n_threads // cols, cols), stride=(cols, 1))
-            val = cute.make_layout((1, _VEC))
+            val = cute.make_layout((1, vec))
         else:
-            vrows = rows // _VEC
+            vrows = rows // vec
             thr = cute.make_layout((vrows, n_threads // vrows), stride=(1, vrows))
-            val = cute.make_layout((_VEC, 1))
+            val = cute.make_layout((vec, 1))
         return cute.make_tiled_copy_tv(atom, thr, val)
 
+    def _copy_cols(self, bk: int) -> int:
+        """Threads along K per row of a K-major copy: the power-of-two part of BK / vec."""
+        vectors = bk // self.vec
+        return vectors & -vectors
+
     def _copy_threads(self, rows: int, bk: int) -> int:
-        return min(self.num_threads, rows * bk // _VEC)
+        return min(self.num_threads, rows * self._copy_cols(bk))
 
     # ------------------------------------------------------- device-side helpers
     @cute.jit
@@ -159,7 +196,7 @@ class Sm80Gemm:
         """Copy k tile `kt` of one operand into shared-memory stage `stage`.
 
         `interior`: the whole (rows, BK) tile lies inside the operand, so every vector is
-        copied as is. Otherwise each 8-element vector is checked against `bound` (the
+        copied as is. Otherwise each 16-byte vector is checked against `bound` (the
         operand's (rows, K) extent): copied whole, element by element up to the end, or
         zero-filled -- never read past the end, and zeros past K (as TMA's fill on SM90)."""
         if interior:
@@ -170,12 +207,12 @@ class Sm80Gemm:
                     src = tXgX[(None, i, j, kt)]
                     dst = tXsX[(None, i, j, stage)]
                     crd = tXcX[(None, i, j, kt)]
-                    if cute.elem_less(crd[_VEC - 1], bound):
+                    if cute.elem_less(crd[self.vec - 1], bound):
                         cute.copy(tiled_copy, src, dst)
                     else:
                         dst.fill(0)
                         if cute.elem_less(crd[0], bound):  # straddles the end of K or M/N
-                            for e in cutlass.range_constexpr(1, _VEC):
+                            for e in cutlass.range_constexpr(1, self.vec):
                                 if cute.elem_less(crd[e], bound):
                                     dst[e] = src[e]
                             dst[0] = src[0]
@@ -262,6 +299,9 @@ class Sm80Gemm:
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[(None, None, None, 0)])
         acc = tiled_mma.make_fragment_C(tCgC)
         self._init_acc(acc, tCgC, tCcC, mC)
+        # The chunked chain's per-tile sum (unused otherwise: the compiler drops it).
+        part = tiled_mma.make_fragment_C(tCgC)
+        part.fill(0.0)
 
         s2r_a = cute.make_tiled_copy_A(s2r_atom_a, tiled_mma)
         s2r_b = cute.make_tiled_copy_B(s2r_atom_b, tiled_mma)
@@ -271,7 +311,7 @@ class Sm80Gemm:
         tCrA_v = thr_s2r_a.retile(tCrA)
         tCsB_v = thr_s2r_b.partition_S(sB)
         tCrB_v = thr_s2r_b.retile(tCrB)
-        k_blocks = cute.size(tCrA, mode=[2])  # BK / 16
+        k_blocks = cute.size(tCrA, mode=[2])  # BK / 16 (TF32: BK / 8)
 
         # Prologue: k tiles 0 .. stages-2 into stages 0 .. stages-2, one commit group each
         # (empty groups past the last tile keep the group count uniform).
@@ -311,8 +351,20 @@ class Sm80Gemm:
                                             mB.shape, nxt, nxt % self.stages, rows_a_full,
                                             rows_b_full, k_a, k_b)
                     cute.arch.cp_async_commit_group()
-                # One m16n8k16 per accumulator fragment: the 16-wide block kt*BK + 16*kb.
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb)], tCrB[(None, None, kb)], acc)
+                # One m16n8k16 per accumulator fragment: the 16-wide block kt*BK + 16*kb
+                # (TF32: one m16n8k8 on the 8-wide block kt*BK + 8*kb, rounded first).
+                if cutlass.const_expr(self.tf32):
+                    self._round_tf32(tCrA[(None, None, kb)])
+                    self._round_tf32(tCrB[(None, None, kb)])
+                if cutlass.const_expr(self.chunked):
+                    cute.gemm(tiled_mma, part, tCrA[(None, None, kb)], tCrB[(None, None, kb)],
+                              part)
+                    if cutlass.const_expr(kb == k_blocks - 1):  # the chunk is this k tile
+                        acc.store(acc.load() + part.load())
+                        part.fill(0.0)
+                else:
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb)], tCrB[(None, None, kb)],
+                              acc)
         cute.arch.cp_async_wait_group(0)
 
         interior = rows_a_full and (tile_n + 1) * bn <= n_total
@@ -330,6 +382,20 @@ class Sm80Gemm:
         rows = cutlass.min(tiles_m - first_m, _GROUP_M)
         r = linear - group * per_group
         return first_m + r % rows, r // rows
+
+    @cute.jit
+    def _round_tf32(self, frag):
+        """Round an fp32 fragment to TF32 in place: round to nearest, ties to even, on the
+        bits (`split.tf32_round`); a value past the largest TF32 becomes Inf, Inf stays Inf,
+        and a NaN becomes the canonical NaN (its low payload bits would be dropped)."""
+        bits = cute.recast_tensor(frag, cutlass.Int32)
+        for i in cutlass.range_constexpr(cute.size(bits)):
+            x = bits[i]
+            odd = (x >> _TF32_DROP) & 1
+            rounded = (x + ((1 << (_TF32_DROP - 1)) - 1) + odd) & -(1 << _TF32_DROP)
+            is_nan = (x & 0x7FFFFFFF) > 0x7F800000
+            bits[i] = cutlass.Int32(cutlass.select_(is_nan, cutlass.Int32(0x7FFFFFFF),
+                                                    rounded))
 
     @cute.jit
     def _load_fragments(self, s2r_a, tCsA_v, tCrA_v, s2r_b, tCsB_v, tCrB_v, stage, kb):
@@ -374,4 +440,5 @@ def mainloop_order() -> str:
     return ("K ascending in 16-wide mma.sync (m16n8k16) steps onto fp32 accumulators that "
             "start at +0.0 (dW: at the buffer's fp32 values), K tail zero-filled at the end, "
             "one CTA per output tile, no split-K; bias added in fp32, then one rounding to "
-            "the output dtype")
+            "the output dtype (fp32 tier: each 96-wide k tile of split parts summed from +0.0, "
+            "then added; tf32: operands rounded to TF32, 8-wide m16n8k8 steps)")

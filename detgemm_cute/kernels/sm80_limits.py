@@ -16,9 +16,17 @@ from . import limits_common
 TILE_M = (64, 128)
 TILE_N = (16, 32, 64, 128, 256)
 TILE_K = (32, 64)
+# The fp32 tier (split.py), as on SM90: split parts run the chunked chain with one 96-wide
+# chunk per k tile (BK is part of the bits); a chunked tile holds two accumulator fragments,
+# so at most SPLIT_ACC_PER_THREAD fp32 values of each per thread.
+SPLIT_TILE_K = 96
+SPLIT_ACC_PER_THREAD = 64
+# tf32: fp32 operands (both K-major) in shared memory, BK counts fp32 elements.
+TF32_TILE_K = (32, 64)
+TF32_BYTES = 4
 STAGES = (2, 8)  # inclusive
 SMEM_BYTES = 166912  # 163 KiB usable per block on sm_80 (A100)
-IN_BYTES = 2  # bf16 / fp16 operands
+IN_BYTES = 2  # bf16 / fp16 operands (and the fp32 tier's parts)
 SMEM_ALIGN = 1024  # each operand's buffer starts on this boundary
 
 
@@ -38,29 +46,41 @@ def threads(tile_m: int, tile_n: int) -> int:
     return 32 * wm * wn
 
 
-def smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
-    """Shared memory the kernel allocates: `stages` A tiles and B tiles, each buffer aligned."""
+def smem_bytes(tile: tuple[int, int, int], stages: int, in_bytes: int = IN_BYTES) -> int:
+    """Shared memory the kernel allocates: `stages` A tiles and B tiles, each buffer aligned
+    (`in_bytes`: 2 for 16-bit operands and split parts, 4 for tf32)."""
     bm, bn, bk = tile
 
     def aligned(n: int) -> int:
         return -(-n // SMEM_ALIGN) * SMEM_ALIGN
 
-    return aligned(stages * bm * bk * IN_BYTES) + aligned(stages * bn * bk * IN_BYTES)
+    return aligned(stages * bm * bk * in_bytes) + aligned(stages * bn * bk * in_bytes)
 
 
-def max_stages(tile: tuple[int, int, int]) -> int:
-    return limits_common.max_stages(tile, smem_bytes, STAGES, SMEM_BYTES)
+def max_stages(tile: tuple[int, int, int], in_bytes: int = IN_BYTES) -> int:
+    return limits_common.max_stages(tile, lambda t, s: smem_bytes(t, s, in_bytes), STAGES,
+                                    SMEM_BYTES)
 
 
 def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
                  swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
-    for name in ("fp32", "tf32"):
-        if name in dtypes:
-            return [("dtypes", f"the sm80 kernel family has no {name} kernel; {name} buckets "
-                               f"exist for sm90 only")]
+    split, tf32 = "fp32" in dtypes, "tf32" in dtypes
+    for name, rules in (("fp32", "the split (chunked) kernel"), ("tf32", "TF32 operands")):
+        if name in dtypes and len(dtypes) > 1:
+            return [("dtypes", f"{name} buckets run {rules} with its own tile rules: list "
+                               f"{name} alone, got {list(dtypes)}")]
+    tile_k = (SPLIT_TILE_K,) if split else TF32_TILE_K if tf32 else TILE_K
+    in_bytes = TF32_BYTES if tf32 else IN_BYTES
     problems = limits_common.tile_and_stage_problems(
-        tile, stages, (TILE_M, TILE_N, TILE_K), STAGES, smem_bytes, SMEM_BYTES)
+        tile, stages, (TILE_M, TILE_N, tile_k), STAGES,
+        lambda t, s: smem_bytes(t, s, in_bytes), SMEM_BYTES)
+    if split and not problems and tile[0] * tile[1] // threads(tile[0], tile[1]) > \
+            SPLIT_ACC_PER_THREAD:
+        problems.append(("tile", f"a chunked (fp32) tile keeps two fp32 fragments per thread: "
+                                 f"at most {SPLIT_ACC_PER_THREAD} values each, got "
+                                 f"{tile[0] * tile[1] // threads(tile[0], tile[1])} for tile "
+                                 f"{list(tile)}"))
     if tuple(cluster) != (1, 1):
         problems.append(("cluster", f"the sm80 kernel has no thread block clusters: cluster "
                                     f"must be [1, 1], got {list(cluster)}"))
