@@ -12,8 +12,9 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
   -> [G, M, N], out[g] = a[:, group g] @ b[group g, :], each a chain over its group alone.
 - 3-D x 3-D without offs: `bmm`.
 
-The grouped forms launch one GEMM per non-empty group and read ``offs`` on the host (one
-device sync per call; not capturable in a CUDA graph). Their backward (2-D x 3-D form):
+The grouped forms launch one GEMM per non-empty group, spread over a few side streams so
+consecutive groups overlap (disjoint outputs, the same bits), and read ``offs`` on the host
+(one device sync per call; not capturable in a CUDA graph). Their backward (2-D x 3-D form):
 dA is the 2-D x 3-D form against b^T, dB the 2-D x 2-D form.
 
 fp32 inputs run the fp32 tier per group (`split`): the 2-D x 3-D form at the current
@@ -219,6 +220,7 @@ def _grouped_impl(a, b, offs, out_dtype, op):
     if form == "3-D x 3-D":
         return batched.bmm(a, b, None, out_dtype)
     empty = a.shape[-1] == 0 or b.shape[-1] == 0  # K or N = 0: zeros, nothing to launch
+    launches = []
     if form == "2-D x 3-D":
         t, n = a.shape[0], b.shape[2]
         ends = _group_ends(offs, t, op)
@@ -227,21 +229,55 @@ def _grouped_impl(a, b, offs, out_dtype, op):
         start = 0
         for g, end in enumerate(ends):
             if end > start and not empty:
-                gemm(a[start:end], b[g], "kn", None, dt, op=_table_for(b[g]),
-                     out=out[start:end])
+                launches.append((a[start:end], b[g], _table_for(b[g]), out[start:end]))
             elif end > start:
                 out[start:end].zero_()
             start = end
-        return out
-    m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
-    ends = _group_ends(offs, t, op)
-    out = torch.zeros((len(ends), m, n), dtype=dt, device=a.device)
-    start = 0
-    for g, end in enumerate(ends):
-        if end > start and m and n:
-            gemm(a[:, start:end], b[start:end], "kn", None, dt, op="dw", out=out[g])
-        start = end
+    else:
+        m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
+        ends = _group_ends(offs, t, op)
+        out = torch.zeros((len(ends), m, n), dtype=dt, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start and m and n:
+                launches.append((a[:, start:end], b[start:end], "dw", out[g]))
+            start = end
+    _run_groups(launches, dt)
     return out
+
+
+_GROUP_STREAMS = 4  # side streams the groups of one grouped call are spread over
+_side_streams: dict = {}
+
+
+def _run_groups(launches, out_dtype):
+    """One GEMM per group, each into its own rows of the output. On CUDA the groups run on
+    `_GROUP_STREAMS` side streams (round robin, after the caller's stream and before its
+    next work), so the last, partial wave of one group's GEMM overlaps the next group's:
+    groups write disjoint outputs and each GEMM's chain is its own, so no bit changes."""
+    if len(launches) < 2 or launches[0][0].device.type != "cuda":
+        for a, b, table, out in launches:
+            gemm(a, b, "kn", None, out_dtype, op=table, out=out)
+        return
+    device = launches[0][0].device
+    main = torch.cuda.current_stream(device)
+    streams = _streams_for(device)[:len(launches)]
+    for s in streams:
+        s.wait_stream(main)
+    for i, (a, b, table, out) in enumerate(launches):
+        with torch.cuda.stream(streams[i % len(streams)]):
+            gemm(a, b, "kn", None, out_dtype, op=table, out=out)
+    for s in streams:
+        main.wait_stream(s)
+
+
+def _streams_for(device: torch.device) -> list:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _side_streams.get(idx)
+    if streams is None:
+        streams = _side_streams[idx] = [torch.cuda.Stream(device=idx)
+                                        for _ in range(_GROUP_STREAMS)]
+    return streams
 
 
 @torch.library.custom_op("detgemm::grouped_mm", mutates_args=())
