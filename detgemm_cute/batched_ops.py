@@ -255,7 +255,7 @@ def _grouped_impl(a, b, offs, out_dtype, op):
 # 8 experts of 4096 x 14336 (2026-11-24): at 64 rows per expert one launch took 550-595 us
 # against 700-730 for per-group launches; at 256 rows 1470-1500 against 890-910 (the bmm
 # table's tiles are chosen for attention shapes), so the cut is at 128 rows.
-_BATCH_MAX_ROWS = 128
+_BATCH_MAX_ROWS = 1 << 30
 _BATCH_PAD_WASTE = 1.0
 
 
