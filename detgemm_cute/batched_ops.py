@@ -13,10 +13,11 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 - 3-D x 3-D without offs: `bmm`.
 
 The grouped forms read ``offs`` on the host (one device sync per call; not capturable in a
-CUDA graph). The 2-D x 3-D form with small groups runs as one padded bmm launch (rows
-gathered into a [G, largest group, K] batch and back); otherwise both forms launch one GEMM
-per non-empty group, spread over a few side streams so consecutive groups overlap. Either
-way each row's bits are those of its group's GEMM alone. Their backward (2-D x 3-D form):
+CUDA graph) and launch one GEMM per non-empty group, spread over a few side streams so
+consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
+Measured on an H100 (bench/results/moe_grouped_variants*.json): four side streams took
+the 8-expert layer from 700-830 us to 560-730 us at 256 tokens; gathering small groups into
+one padded bmm launch was not faster past 64 rows per expert and was not kept. Their backward (2-D x 3-D form):
 dA is the 2-D x 3-D form against b^T, dB the 2-D x 2-D form.
 
 fp32 inputs run the fp32 tier per group (`split`): the 2-D x 3-D form at the current
@@ -228,8 +229,6 @@ def _grouped_impl(a, b, offs, out_dtype, op):
         ends = _group_ends(offs, t, op)
         out = torch.empty((t, n), dtype=dt, device=a.device)
         out[ends[-1] if ends else 0:].zero_()  # rows past the last group
-        if not empty and _as_one_batch(a, ends):
-            return _grouped_as_bmm(a, b, ends, dt, out)
         start = 0
         for g, end in enumerate(ends):
             if end > start and not empty:
@@ -247,47 +246,6 @@ def _grouped_impl(a, b, offs, out_dtype, op):
                 launches.append((a[:, start:end], b[start:end], "dw", out[g]))
             start = end
     _run_groups(launches, dt)
-    return out
-
-
-# The 2-D x 3-D form as one padded bmm launch: when every group has at most this many rows
-# and padding every group to the largest adds at most _BATCH_PAD_WASTE of the rows. H100,
-# 8 experts of 4096 x 14336 (2026-11-24): at 64 rows per expert one launch took 550-595 us
-# against 700-730 for per-group launches; at 256 rows 1470-1500 against 890-910 (the bmm
-# table's tiles are chosen for attention shapes), so the cut is at 128 rows.
-_BATCH_MAX_ROWS = 1 << 30
-_BATCH_PAD_WASTE = 1.0
-
-
-def _as_one_batch(a: Tensor, ends: list[int]) -> bool:
-    """Run the mixture-of-experts form as one padded bmm: 16-bit CUDA operands, small groups
-    (where one launch per group leaves most of the GPU idle and the host's launches cost
-    more than the GEMMs), and little padding."""
-    if a.device.type != "cuda" or a.dtype == torch.float32 or len(ends) < 2 or not ends[-1]:
-        return False
-    largest = max(e - s for s, e in zip([0] + ends[:-1], ends))
-    return (largest <= _BATCH_MAX_ROWS
-            and largest * len(ends) <= (1 + _BATCH_PAD_WASTE) * ends[-1])
-
-
-def _grouped_as_bmm(a, b, ends, out_dtype, out):
-    """Rows of group g are copied to entry g of a [G, R, K] batch (R: the largest group), one
-    bmm launch multiplies each entry by b[g], and the rows are gathered back. Each row's
-    chain is that of `dg.mm` on the row alone (bmm entries are mm's chain, rows are
-    independent of the other rows of their tile), so the bits are those of the per-group
-    launches; padding rows hold whatever the buffer held and are never read back."""
-    starts = [0] + ends[:-1]
-    sizes = [e - s for s, e in zip(starts, ends)]
-    rows, groups, k = max(sizes), len(ends), a.shape[1]
-    total = ends[-1]
-    dev = a.device
-    shift = torch.tensor([g * rows - s for g, s in enumerate(starts)], device=dev)
-    dst = torch.arange(total, device=dev) + torch.repeat_interleave(
-        shift, torch.tensor(sizes, device=dev), output_size=total)
-    batch = torch.empty((groups * rows, k), dtype=a.dtype, device=dev)
-    batch.index_copy_(0, dst, a[:total])
-    y = batched.bmm(batch.view(groups, rows, k), b, None, out_dtype)
-    torch.index_select(y.view(groups * rows, -1), 0, dst, out=out[:total])
     return out
 
 

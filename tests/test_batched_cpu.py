@@ -211,22 +211,3 @@ def test_bmm_unhashable_out_dtype_is_named():
     with pytest.raises(TypeError, match="out_dtype"):
         dg.bmm(rand(2, 3, 4), rand(2, 4, 5), out_dtype=[1])
 
-
-def test_grouped_as_one_padded_batch_is_the_per_group_chain():
-    """The one-launch form of small groups (gathered into a padded [G, R, K] batch, one bmm,
-    gathered back) gives each row the bits of its group's GEMM; run here on the CPU
-    reference (on CUDA, grouped_mm takes it for small groups)."""
-    from detgemm_cute import batched_ops
-
-    x, w = rand(40, 48), rand(5, 48, 24)
-    ends = [7, 7, 25, 26, 33]
-    assert not batched_ops._as_one_batch(x, ends)  # CPU tensors: one GEMM per group
-    out = torch.full((40, 24), float("nan"), dtype=BF)
-    out[33:] = 0
-    y = batched_ops._grouped_as_bmm(x, w, ends, BF, out)
-    start = 0
-    for g, end in enumerate(ends):
-        if end > start:
-            assert same(y[start:end], reference.mm(x[start:end], w[g]))
-        start = end
-    assert not y[33:].any()
