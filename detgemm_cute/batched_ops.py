@@ -15,10 +15,11 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 The grouped forms read ``offs`` on the host (one device sync per call; not capturable in a
 CUDA graph) and launch one GEMM per non-empty group, spread over a few side streams so
 consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
-Measured on an H100 (bench/results/moe_grouped_variants*.json): four side streams took
-the 8-expert layer from 700-830 us to 560-730 us at 256 tokens; gathering small groups into
-one padded bmm launch was not faster past 64 rows per expert and was not kept. Their backward (2-D x 3-D form):
-dA is the 2-D x 3-D form against b^T, dB the 2-D x 2-D form.
+Measured on an H100 (bench/results/moe_grouped_*.json): four side streams against one took
+the 8-expert layer from 727/820 us to 562/575 us at 256 tokens and 831 to 726 us at 1024
+(down); gathering small groups into one padded bmm launch was not faster past 64 rows per
+expert and was not kept. Their backward (2-D x 3-D form): dA is the 2-D x 3-D form against
+b^T, dB the 2-D x 2-D form.
 
 fp32 inputs run the fp32 tier per group (`split`): the 2-D x 3-D form at the current
 precision ("tf32": each expert weight not stored K-major is staged per call), the 2-D x 2-D
