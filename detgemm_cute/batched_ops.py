@@ -213,9 +213,9 @@ def check_grouped_args(a, b, offs, out_dtype, op):
 
 
 def _table_for(w: Tensor) -> str:
-    """A [K, N] expert weight stored row-major (N contiguous) is the layout the dx table was
-    tuned for; a column-major one ([N, K] storage, K contiguous) the fwd table's."""
-    return "dx" if w.stride(1) == 1 else "fwd"
+    """Expert weights [G, K, N] stored row-major (N contiguous) are the layout the dx table
+    was tuned for; column-major ones ([G, N, K] storage, K contiguous) the fwd table's."""
+    return "dx" if w.stride(-1) == 1 else "fwd"
 
 
 def _grouped_impl(a, b, offs, out_dtype, op):
@@ -230,10 +230,10 @@ def _grouped_impl(a, b, offs, out_dtype, op):
         ends = _group_ends(offs, t, op)
         out = torch.empty((t, n), dtype=dt, device=a.device)
         out[ends[-1] if ends else 0:].zero_()  # rows past the last group
-        start = 0
+        start, table = 0, _table_for(b)
         for g, end in enumerate(ends):
             if end > start and not empty:
-                launches.append((a[start:end], b[g], _table_for(b[g]), out[start:end]))
+                launches.append((a[start:end], b[g], table, out[start:end]))
             elif end > start:
                 out[start:end].zero_()
             start = end
