@@ -63,7 +63,7 @@ def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
     a_unit, b_unit = _inner_unit(a), _inner_unit(b)
     if a_unit == "first" and bucket.tile[0] < 64:
         a_unit = None  # row tiles load BM-row boxes of a K-major A
-    if dtype == TF32:  # TF32 WGMMA reads both operands K-major only: b [L, K, N] K-first
+    if dtype == TF32:  # the TF32 kernels read both operands K-major: b [L, K, N] K-first
         a_unit = a_unit if a_unit == "last" else None
         b_unit = b_unit if b_unit == "first" else None
     stage_a, stage_b = a_unit is None, b_unit is None

@@ -42,10 +42,9 @@ import torch
 
 from . import batched
 from .batched_ops import _grouped_impl, bias_row, broadcasts_to, scaled_sum
-from .errors import GEMM_DTYPES, IN_DTYPES
+from .errors import GEMM_DTYPES
 from .gemm import arch_of, gemm
 
-_IN_GEMM = GEMM_DTYPES  # fp32 runs on the fp32 tier
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _lock = threading.RLock()
 _stack: list[bool] = []  # strictness of each active enable(), innermost last
@@ -82,11 +81,11 @@ def _device_problem(t: torch.Tensor) -> str | None:
     return reason
 
 
-def _problem(*ts, dtypes=_IN_GEMM) -> str | None:
+def _problem(*ts) -> str | None:
     dt, dev = ts[0].dtype, ts[0].device
     for t in ts:
-        if t.dtype not in dtypes:
-            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        if t.dtype not in GEMM_DTYPES:  # every op takes fp32 (the fp32 tier)
+            names = "/".join(str(d).replace("torch.", "") for d in GEMM_DTYPES)
             return f"{t.dtype} inputs (detgemm takes {names} here)"
         if t.dtype != dt:
             return f"mixed dtypes {ts[0].dtype}/{t.dtype}"
@@ -113,7 +112,7 @@ class _Fallback(Exception):
 
 def _route(op: str, *ts):
     """Count a routed call, or decide a fallback (raise when strict)."""
-    why = _problem(*ts, dtypes=_IN_GEMM)
+    why = _problem(*ts)
     if why is None:
         _routed[(op, _NAMES[ts[0].dtype])] += 1
         return

@@ -46,6 +46,28 @@ def current_family() -> str:
     return gemm.arch_of(torch.device(DEV))
 
 
+def family_buckets(dtype: str, family: str | None = None) -> list:
+    """The `dtype` buckets of `family` (default: the one this thread runs on)."""
+    from detgemm_cute import registry
+
+    reg = registry.get_registry(family or current_family())
+    return [b for b in reg.buckets if dtype in b.dtypes]
+
+
+def bucket_names(dtype: str) -> list[str]:
+    """Every `dtype` bucket name of every family tested: parametrize an every-bucket test
+    with it, and let `family_bucket` skip the names the running family lacks."""
+    return sorted({b.name for f in FAMILIES for b in family_buckets(dtype, f)})
+
+
+def family_bucket(name: str, dtype: str):
+    """The running family's `dtype` bucket called `name` (the test skips when it has none)."""
+    bucket = next((b for b in family_buckets(dtype) if b.name == name), None)
+    if bucket is None:
+        pytest.skip(f"{current_family()} has no {dtype} bucket {name}")
+    return bucket
+
+
 def bits(t):
     """The raw bit pattern of a 16- or 32-bit float tensor as integers."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])

@@ -15,10 +15,10 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
                 allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from detgemm_cute import reference, registry  # noqa: E402
+from detgemm_cute import reference  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import (FAMILIES, SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
-                         current_family, family, graph_replayed,
+from gpu_helpers import (SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
+                         bucket_names, family, family_bucket, graph_replayed,
                          poison, same_bits, torch_tf32)
 
 DEV = "cuda"
@@ -31,16 +31,6 @@ def rand(*shape, g=None, spread=False):
         e = torch.randint(-20, 21, shape, device=DEV, generator=g).to(F32)
         x = x * torch.exp2(e)
     return x
-
-
-def fp32_buckets(family=None):
-    """The fp32 buckets of `family` (default: the one this test runs on)."""
-    reg = registry.get_registry(family or current_family())
-    return [b for b in reg.buckets if "fp32" in b.dtypes]
-
-
-# Every bucket name of every family tested; a test skips the names its family lacks.
-FP32_BUCKET_NAMES = sorted({b.name for f in FAMILIES for b in fp32_buckets(f)})
 
 
 def ref_linear(x, w, bias=None, out_dtype=None):
@@ -64,13 +54,11 @@ def test_16bit_output_is_one_rounding(out_dtype):
     assert same_bits(y, y32.to(out_dtype))
 
 
-@pytest.mark.parametrize("bucket", FP32_BUCKET_NAMES)
+@pytest.mark.parametrize("bucket", bucket_names("fp32"))
 def test_every_fp32_bucket_same_bits(bucket):
     x, w, bias = rand(333, 1000), rand(264, 1000), rand(264)
     want = ref_linear(x, w, bias)
-    b = next((b for b in fp32_buckets() if b.name == bucket), None)
-    if b is None:
-        pytest.skip(f"{current_family()} has no bucket {bucket}")
+    b = family_bucket(bucket, "fp32")
     poison()
     with dg.force_bucket(bucket):
         if b.op == "fwd":

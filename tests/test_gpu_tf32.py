@@ -17,10 +17,10 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
                 allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from detgemm_cute import reference, registry, split  # noqa: E402
+from detgemm_cute import reference, split  # noqa: E402
 from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
-from gpu_helpers import (FAMILIES, SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
-                         current_family, family, graph_replayed,
+from gpu_helpers import (SWEEP_M, assert_linear_matches_reference,  # noqa: E402,F401
+                         bucket_names, family, family_bucket, graph_replayed,
                          poison, rel_err, same_bits, torch_tf32)
 
 DEV = "cuda"
@@ -43,16 +43,6 @@ def rand(*shape, g=None, spread=0):
 
 def ref_linear(x, w, bias=None, out_dtype=None):
     return reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu(), out_dtype)
-
-
-def tf32_buckets(family=None):
-    """The tf32 buckets of `family` (default: the one this test runs on)."""
-    reg = registry.get_registry(family or current_family())
-    return [b for b in reg.buckets if "tf32" in b.dtypes]
-
-
-# Every bucket name of every family tested; a test skips the names its family lacks.
-TF32_BUCKET_NAMES = sorted({b.name for f in FAMILIES for b in tf32_buckets(f)})
 
 
 # (the CPU reference costs M * N * K / 8 block steps: shapes stay below ~50M products)
@@ -83,12 +73,10 @@ def test_16bit_output_is_one_rounding(out_dtype):
     assert same_bits(dg.linear(x, w, out_dtype=out_dtype), dg.linear(x, w).to(out_dtype))
 
 
-@pytest.mark.parametrize("bucket", TF32_BUCKET_NAMES)
+@pytest.mark.parametrize("bucket", bucket_names("tf32"))
 def test_every_tf32_bucket_same_bits(bucket):
     x, w, bias = rand(333, 400, spread=8), rand(136, 400), rand(136)
-    b = next((b for b in tf32_buckets() if b.name == bucket), None)
-    if b is None:
-        pytest.skip(f"{current_family()} has no bucket {bucket}")
+    b = family_bucket(bucket, "tf32")
     poison()
     with dg.force_bucket(bucket):
         if b.op == "fwd":

@@ -37,3 +37,13 @@ def tile_and_stage_problems(tile, stages, allowed, stage_range, smem_bytes,
                        f"bytes of shared memory, more than {smem_limit}; at most "
                        f"{max_stages(tile, smem_bytes, stage_range, smem_limit)} stages fit"))
     return problems
+
+
+def fp32_tier_dtype_problems(dtypes) -> list[tuple[str, str]]:
+    """fp32 (split, chunked) and tf32 buckets follow their own tile rules, so they must list
+    that dtype alone."""
+    for name, rules in (("fp32", "the split (chunked) kernel"), ("tf32", "TF32 operands")):
+        if name in dtypes and len(dtypes) > 1:
+            return [("dtypes", f"{name} buckets run {rules} with its own tile rules: list "
+                               f"{name} alone, got {list(dtypes)}")]
+    return []

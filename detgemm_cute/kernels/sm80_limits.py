@@ -66,10 +66,9 @@ def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
                  swap_ab=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     split, tf32 = "fp32" in dtypes, "tf32" in dtypes
-    for name, rules in (("fp32", "the split (chunked) kernel"), ("tf32", "TF32 operands")):
-        if name in dtypes and len(dtypes) > 1:
-            return [("dtypes", f"{name} buckets run {rules} with its own tile rules: list "
-                               f"{name} alone, got {list(dtypes)}")]
+    dtype_problems = limits_common.fp32_tier_dtype_problems(dtypes)
+    if dtype_problems:
+        return dtype_problems
     tile_k = (SPLIT_TILE_K,) if split else TF32_TILE_K if tf32 else TILE_K
     in_bytes = TF32_BYTES if tf32 else IN_BYTES
     problems = limits_common.tile_and_stage_problems(
