@@ -86,7 +86,7 @@ def test_sm80_and_unknown_arches():
      ["op fwd dtype bf16: M 65..127 (N 1.., K 1..) is covered by no bucket", "bucket 'high'"]),
     ("unknown_key.yaml", False, "bucket 'typo'", "field 'stage'", ["did you mean 'stages'"]),
     ("bad_tile.yaml", False, "bucket 'odd_tile'", "field 'tile'", ["tile M", "96"]),
-    ("bad_cluster.yaml", False, "bucket 'big_cluster'", "field 'cluster'", ["[2, 2]"]),
+    ("bad_cluster.yaml", False, "bucket 'big_cluster'", "field 'cluster'", ["[4, 2]"]),
     ("too_many_stages.yaml", False, "bucket 'deep'", "field 'stages'",
      ["shared memory", "at most 4 stages fit"]),
     ("duplicate_name.yaml", False, "bucket 'twice'", "field 'name'",

@@ -12,7 +12,13 @@ from . import limits_common
 # BM < 64 ("row tiles", for decode): WGMMA still computes 64 rows, but TMA loads only BM
 # rows of A into a 64-row shared tile whose other rows stay zero, and only BM rows are
 # stored, so a stage carries BM rows of X instead of a 64-row box that is mostly zero fill.
-TILE_M = (8, 16, 32, 64, 128)
+# BM 256: two consumer warpgroups of 128 rows each (two 64-row WGMMAs per k step); a
+# swapped 256-row tile covers 256 weight rows per token tile, the wide tiles cuBLAS runs.
+TILE_M = (8, 16, 32, 64, 128, 256)
+# A 256-row tile keeps BN fp32 accumulators per consumer thread: BN 192 fits the 232
+# registers a consumer gets, BN 208 spilled (ptxas, 2026-11-25). 16-bit operands only.
+WIDE_TILE_M = 256
+WIDE_TILE_N_MAX = 192
 # Multiples of 16 WGMMA takes (n16..n256) whose epilogue sub-tile (32 or 16 columns) divides
 # them; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120). BN 8
 # (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
@@ -29,8 +35,10 @@ SPLIT_TILE_N_MAX = 128
 # 32 is one 128-byte swizzle row, as BK 64 is for 16-bit operands; both operands K-major.
 TF32_TILE_K = (32, 64)
 TF32_BYTES = 4
-CLUSTER_DIMS = (1, 2)
-MAX_CLUSTER_SIZE = 2
+# Clusters multicast the shared operand: a tile's A goes to the CN CTAs of its cluster row,
+# its B to the CM CTAs of its column (4 x 1 shares one token tile among four weight tiles).
+CLUSTER_DIMS = (1, 2, 4)
+MAX_CLUSTER_SIZE = 4
 STAGES = (2, 16)  # inclusive
 SMEM_BYTES = 232448  # 227 KiB usable per CTA on sm_90
 BARRIER_BYTES = 1024
@@ -61,9 +69,10 @@ def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False,
 
 def warpgroups(tile_m: int, tile_n: int, chunked: bool = False, pingpong: bool = False) -> int:
     """Warpgroups that compute one tile. Wide tiles are split over two along M to avoid
-    register spills; a chunked tile holds two fragments, so it splits from BN 128 down. In
-    ping-pong one warpgroup runs a whole tile (so BN is capped, `PINGPONG_TILE_N_MAX`)."""
-    two = tile_m > 64 and (chunked or tile_n > 128)
+    register spills; a chunked tile holds two fragments, so it splits from BN 128 down; a
+    256-row tile always runs on two (128 rows each). In ping-pong one warpgroup runs a whole
+    tile (so BN is capped, `PINGPONG_TILE_N_MAX`)."""
+    two = tile_m > 128 or (tile_m > 64 and (chunked or tile_n > 128))
     return 2 if two and not pingpong else 1
 
 
@@ -106,11 +115,18 @@ def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
         return dtype_problems
     tile_n = tuple(n for n in TILE_N if n <= SPLIT_TILE_N_MAX) if split else TILE_N
     tile_k = (SPLIT_TILE_K,) if split else TF32_TILE_K if tf32 else TILE_K
-    tile_m = tuple(m for m in TILE_M if m >= 64) if split else TILE_M
+    tile_m = tuple(m for m in TILE_M if 64 <= m < WIDE_TILE_M) if split else TILE_M
     in_bytes = TF32_BYTES if tf32 else IN_BYTES
     problems = limits_common.tile_and_stage_problems(
         tile, stages, (tile_m, tile_n, tile_k), STAGES,
         lambda t, s: smem_bytes(t, s, pingpong is True, in_bytes), SMEM_BYTES)
+    if not problems and tile[0] == WIDE_TILE_M:
+        if tile[1] > WIDE_TILE_N_MAX:
+            problems.append(("tile", f"a {WIDE_TILE_M}-row tile keeps BN accumulators per "
+                                     f"thread: BN <= {WIDE_TILE_N_MAX}, got {tile[1]}"))
+        if tf32:
+            problems.append(("tile", f"BM {WIDE_TILE_M} is for 16-bit operands; tf32 buckets "
+                                     f"take BM <= 128"))
     if not problems and tile[0] == 8 and tile[1] % 32:
         # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
         # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0

@@ -202,8 +202,12 @@ def rank_tiles(m, n, k, space: Space, machine: Machine, out_bytes=2, slack=1.3,
                max_tiles=5, per_bm=2, min_tiles=4) -> list[tuple[int, int, float]]:
     """(BM, BN, predicted us) of the kept tile shapes, best first."""
     scored = []
+    lo = getattr(space.limits, "STAGES", (2, 16))[0]
     for bm in space.tile_m:
         for bn in space.tile_n:
+            if not any(space.check((bm, bn, bk), (1, 1), lo, persistent)
+                       for bk in space.tile_k for persistent in (False, True)):
+                continue  # a shape the limits refuse at every BK (e.g. BM 256 past BN 192)
             pred, compute = predict_us(m, n, k, bm, bn, space, machine, out_bytes)
             scored.append((pred, compute, -bm * bn, bm, bn))
     scored.sort()
