@@ -50,7 +50,20 @@ SWAPPED = [
     ((128, 128, 64), 6, False, (2, 1), False, True),
     ((64, 256, 64), 5, True, (1, 1), True, True),
 ]
-ALL = TILES + PINGPONG + SWAPPED
+# 256-row tiles (two consumer warpgroups of 128 rows) and clusters of four CTAs (the shared
+# operand multicast to 2 x 2, 4 x 1 or 1 x 4 CTAs), plain, persistent, ping-pong, swapped.
+WIDE = [
+    ((256, 128, 64), 4, True, (1, 1), False, False),
+    ((256, 192, 64), 3, False, (1, 2), False, False),
+    ((256, 144, 64), 4, True, (2, 1), False, True),
+    ((256, 160, 64), 3, True, (1, 4), False, False),
+    ((128, 128, 64), 6, True, (2, 2), False, False),
+    ((128, 96, 64), 7, False, (1, 4), False, False),
+    ((64, 208, 64), 6, True, (4, 1), False, True),
+    ((128, 160, 64), 5, True, (2, 2), True, False),
+    ((128, 224, 64), 4, False, (4, 1), False, True),
+]
+ALL = TILES + PINGPONG + SWAPPED + WIDE
 _FAR = 10**12  # an M no call reaches: the buckets are used only when forced
 
 
@@ -64,7 +77,8 @@ def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
     for i, spec in enumerate(ALL):
         tile, stages, persistent, cluster, pingpong, swap_ab = spec
-        for op in ("fwd", "dx", "dw") + (("bmm",) if pingpong and not swap_ab else ()):
+        for op in ("fwd", "dx", "dw") + (("bmm",) if (pingpong or spec in WIDE) and not swap_ab
+                                         else ()):
             lines += [f"  - name: {op}_{_name(*spec)}",
                       f"    op: {op}", "    dtypes: [bf16, fp16]",
                       f"    m: [{_FAR + i}, {_FAR + i}]", f"    tile: {list(tile)}",
@@ -117,11 +131,15 @@ def test_backward_bits(forced_layer, spec):
     assert same_bits(got, want)
 
 
-@pytest.mark.parametrize("spec", PINGPONG + SWAPPED, ids=[_name(*t) for t in PINGPONG + SWAPPED])
+MANY = PINGPONG + SWAPPED + WIDE
+
+
+@pytest.mark.parametrize("spec", MANY, ids=[_name(*t) for t in MANY])
 def test_many_tiles_per_cta(forced_layer, spec):
     """Problems with several tiles per CTA, so both ping-pong consumer warpgroups run tiles
     and skip each other's stages (an odd and an even count per CTA, tails in M, N and K),
-    and swapped problems whose M is large: the bits of every op equal the built-in table's,
+    swapped problems whose M is large, and clusters of four with partial clusters at the
+    edges: the bits of every op equal the built-in table's,
     and no poisoned output survives."""
     for m, n, k in [(2000, 3000, 1000), (4100, 1032, 520), (777, 5120, 4104)]:
         x, w, b = rand(m, k), rand(n, k), rand(n)
