@@ -52,10 +52,14 @@ class KernelKey:
     # view of the caller's [M, N] output and its bias runs along the kernel's rows. The
     # kernel's A is then the caller's B (a_major/b_form/b_contig describe the kernel's view).
     swap_ab: bool = False
+    # The persistent schedule walks the N tiles fastest: concurrent CTAs then share the tile
+    # of A (e.g. a swapped weight tile) instead of B's. Order only; no tile's arithmetic.
+    raster_n: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
         call.setdefault("swap_ab", getattr(bucket, "swap_ab", False))
+        call.setdefault("raster_n", getattr(bucket, "raster_n", False))
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
                          stages=bucket.stages, persistent=bucket.persistent,
                          pingpong=getattr(bucket, "pingpong", False), **call)
@@ -164,6 +168,11 @@ def _kernel_options(key: KernelKey) -> dict:
         opts["chunked"] = True
     if key.swap_ab:
         opts["bias_on_rows"] = True
+    if key.raster_n:
+        if family_of(key.arch) != "sm90":
+            raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "
+                             f"{key.arch}")
+        opts["raster_n"] = True
     return opts
 
 

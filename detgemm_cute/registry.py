@@ -54,11 +54,11 @@ FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync
 _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
 _DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
-             "pingpong": False, "swap_ab": False, "note": ""}
+             "pingpong": False, "swap_ab": False, "raster_n": False, "note": ""}
 _BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms")
 _DIMS = ("m", "n", "k")
 # Keys of one entry of `alternatives` (the kernel fields of a bucket, plus its cost).
-_KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab")
+_KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab", "raster_n")
 _ALT_KEYS = _KERNEL_KEYS + ("cost",)
 
 
@@ -100,6 +100,7 @@ class Bucket:
     layer: int  # 0 = built-in, 1.. = user layers in the order added
     pingpong: bool = False  # two consumer warpgroups on alternate tiles (needs persistent)
     swap_ab: bool = False  # compute C^T = op(B)^T A^T: the tile's M runs along the caller's N
+    raster_n: bool = False  # the persistent schedule walks the N tiles fastest (else M's)
     group: str = ""  # the bucket this is one alternative of ("" = a bucket of its own)
     cost: tuple = ()  # wave-cost coefficients in us (alternatives only, see wave_cost.py)
     sms: int = 0  # the SM count the costs were measured on (alternatives only)
@@ -306,7 +307,7 @@ def _check_field(key, v):
     if key == "stages":
         return (v, None) if _is_int(v) else (None, f"stages must be an integer, got {v!r} "
                                                   f"({_type_name(v)})")
-    if key in ("persistent", "pingpong", "swap_ab"):
+    if key in ("persistent", "pingpong", "swap_ab", "raster_n"):
         ok = isinstance(v, bool)
         return (v, None) if ok else (None, f"{key} must be true or false, got {v!r}")
     if key == "note":
@@ -318,7 +319,7 @@ def _check_field(key, v):
 def _alt_label(v: dict) -> str:
     """128x256x64_c1x2_s4_p_pingpong: an alternative's name inside its bucket."""
     s = config_label(v["tile"], v["cluster"], v["stages"], v["persistent"])
-    return s + "".join(f"_{key}" for key in ("pingpong", "swap_ab") if v[key])
+    return s + "".join(f"_{key}" for key in ("pingpong", "swap_ab", "raster_n") if v[key])
 
 
 def _cost(v):
@@ -335,7 +336,9 @@ def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
     for field, msg in limits.check_config(values["tile"], values["cluster"], values["stages"],
                                           values["persistent"], dtypes=values["dtypes"],
                                           pingpong=values["pingpong"],
-                                          swap_ab=values["swap_ab"]):
+                                          swap_ab=values["swap_ab"],
+                                          **({"raster_n": values["raster_n"]}
+                                             if values["raster_n"] is not False else {})):
         probs.add(key_lines.get(field, line), msg, label, field)
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "

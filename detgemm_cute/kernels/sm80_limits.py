@@ -63,7 +63,7 @@ def max_stages(tile: tuple[int, int, int], in_bytes: int = IN_BYTES) -> int:
 
 
 def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
-                 swap_ab=False) -> list[tuple[str, str]]:
+                 swap_ab=False, raster_n=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     split, tf32 = "fp32" in dtypes, "tf32" in dtypes
     dtype_problems = limits_common.fp32_tier_dtype_problems(dtypes)
@@ -94,4 +94,7 @@ def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
     if swap_ab is not False:
         problems.append(("swap_ab", "the sm80 family does not swap operands: swap_ab must "
                                     "be false"))
+    if raster_n is not False:
+        problems.append(("raster_n", "the sm80 kernel has no persistent schedule: raster_n "
+                                     "must be false"))
     return problems

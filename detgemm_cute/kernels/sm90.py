@@ -189,11 +189,11 @@ class Sm90GemmPersistent(Sm90Base):
         """At most max_clusters clusters (the GPU's SMs), each walking its tiles."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         tiles_mnl = gc[(0, (None, None, None))].shape
-        # Plain M-major tile order: the DSL's swizzled order rounds the M tiles up to a
-        # multiple of the swizzle and runs the padding tiles, which measured 2x slower at
-        # M=512. Order only; no tile's arithmetic changes.
+        # Plain M-major tile order (N-major with `raster_n`): the DSL's swizzled order rounds
+        # the M tiles up to a multiple of the swizzle and runs the padding tiles, which
+        # measured 2x slower at M=512. Order only; no tile's arithmetic changes.
         sched = utils.PersistentTileSchedulerParams(
-            tiles_mnl, (*self.cluster_shape_mn, 1), self.swizzle, True)
+            tiles_mnl, (*self.cluster_shape_mn, 1), self.swizzle, not self.raster_n)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
         return grid, (sched,), {"min_blocks_per_mp": 1}
 

@@ -35,7 +35,8 @@ class Sm90Base:
     pingpong = False  # two consumer warpgroups on alternate tiles (Sm90GemmPingpong)
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
-                 accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False):
+                 accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
+                 raster_n: bool = False):
         self.tile_shape_mnk = tuple(tile)
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
@@ -50,6 +51,10 @@ class Sm90Base:
         # The bias runs along M (one value per row of C): a call that computes C^T = B A^T
         # into a transposed view of the caller's output ("swap_ab") has its bias there.
         self.bias_on_rows = bias_on_rows
+        # Persistent schedule: walk the N tiles fastest (else M's). Concurrent CTAs share the
+        # operand tile of the slower index, which should be the larger operand: for a swapped
+        # kernel with few token tiles along N, each weight tile is then read from DRAM once.
+        self.raster_n = raster_n
         self.acc_dtype = cutlass.Float32
         # Warpgroups that compute one tile together (the tiled MMA), and consumer warpgroups
         # in the CTA: the same, except in ping-pong, where each of two runs a tile alone.

@@ -107,7 +107,7 @@ SWAP_KEY = "swap_ab"
 
 
 def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
-                 swap_ab=False) -> list[tuple[str, str]]:
+                 swap_ab=False, raster_n=False) -> list[tuple[str, str]]:
     """Return a list of (field, message) problems; empty when the kernel can be built."""
     split, tf32 = "fp32" in dtypes, "tf32" in dtypes
     dtype_problems = limits_common.fp32_tier_dtype_problems(dtypes)
@@ -141,6 +141,12 @@ def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
     if persistent not in (False, True):
         problems.append(("persistent", f"persistent must be true or false, got {persistent!r}"))
     problems += _pingpong_problems(tile, persistent, split, pingpong)
+    if raster_n is not False:
+        if raster_n is not True:
+            problems.append(("raster_n", f"raster_n must be true or false, got {raster_n!r}"))
+        elif persistent is not True:
+            problems.append(("raster_n", "raster_n orders the persistent schedule: set "
+                                         "persistent: true"))
     if swap_ab is not False:
         if swap_ab is not True:
             problems.append(("swap_ab", f"swap_ab must be true or false, got {swap_ab!r}"))
