@@ -72,20 +72,24 @@ def _name(tile, stages, persistent, cluster, pingpong, swap_ab):
             f"{'p' if pingpong else ''}_c{cluster[0]}x{cluster[1]}{'_sw' if swap_ab else ''}")
 
 
+def _bucket_lines(name, op, m, spec, **extra) -> list[str]:
+    """YAML lines of one bucket serving only M = m with the kernel of `spec`."""
+    tile, stages, persistent, cluster, pingpong, swap_ab = spec
+    fields = dict(tile=list(tile), cluster=list(cluster), stages=stages,
+                  persistent=persistent, pingpong=pingpong, swap_ab=swap_ab, **extra)
+    return ([f"  - name: {name}", f"    op: {op}", "    dtypes: [bf16, fp16]",
+             f"    m: [{m}, {m}]"]
+            + [f"    {k}: {str(v).lower() if isinstance(v, bool) else v}"
+               for k, v in fields.items()])
+
+
 @pytest.fixture(scope="module")
 def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
     for i, spec in enumerate(ALL):
-        tile, stages, persistent, cluster, pingpong, swap_ab = spec
-        for op in ("fwd", "dx", "dw") + (("bmm",) if (pingpong or spec in WIDE) and not swap_ab
-                                         else ()):
-            lines += [f"  - name: {op}_{_name(*spec)}",
-                      f"    op: {op}", "    dtypes: [bf16, fp16]",
-                      f"    m: [{_FAR + i}, {_FAR + i}]", f"    tile: {list(tile)}",
-                      f"    cluster: {list(cluster)}", f"    stages: {stages}",
-                      f"    persistent: {str(persistent).lower()}",
-                      f"    pingpong: {str(pingpong).lower()}",
-                      f"    swap_ab: {str(swap_ab).lower()}"]
+        bmm = (spec[4] or spec in WIDE) and not spec[5]
+        for op in ("fwd", "dx", "dw") + (("bmm",) if bmm else ()):
+            lines += _bucket_lines(f"{op}_{_name(*spec)}", op, _FAR + i, spec)
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -166,16 +170,13 @@ def test_raster_n_gives_the_same_bits(tmp_path):
     """`raster_n` walks a persistent schedule's N tiles first: only the order in which tiles
     run changes, so every op (swapped, plain, ping-pong; several waves of tiles per problem)
     gives the table's bits."""
-    specs = [((128, 208, 64), 5, (2, 1), False, True), ((128, 128, 64), 6, (1, 2), True, False),
-             ((256, 128, 64), 4, (1, 1), False, False)]
+    specs = [((128, 208, 64), 5, True, (2, 1), False, True),
+             ((128, 128, 64), 6, True, (1, 2), True, False),
+             ((256, 128, 64), 4, True, (1, 1), False, False)]
     lines = ["arch: sm90", "buckets:"]
-    for i, (tile, stages, cluster, pingpong, swap_ab) in enumerate(specs):
+    for i, spec in enumerate(specs):
         for op in ("fwd", "dx", "dw"):
-            lines += [f"  - name: {op}_raster{i}", f"    op: {op}", "    dtypes: [bf16, fp16]",
-                      f"    m: [{_FAR + 100 + i}, {_FAR + 100 + i}]", f"    tile: {list(tile)}",
-                      f"    cluster: {list(cluster)}", f"    stages: {stages}",
-                      "    persistent: true", f"    pingpong: {str(pingpong).lower()}",
-                      f"    swap_ab: {str(swap_ab).lower()}", "    raster_n: true"]
+            lines += _bucket_lines(f"{op}_raster{i}", op, _FAR + 100 + i, spec, raster_n=True)
     path = tmp_path / "raster.yaml"
     path.write_text("\n".join(lines) + "\n")
     registry.add_config(path)
