@@ -337,8 +337,7 @@ def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
                                           values["persistent"], dtypes=values["dtypes"],
                                           pingpong=values["pingpong"],
                                           swap_ab=values["swap_ab"],
-                                          **({"raster_n": values["raster_n"]}
-                                             if values["raster_n"] is not False else {})):
+                                          raster_n=values["raster_n"]):
         probs.add(key_lines.get(field, line), msg, label, field)
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "

@@ -85,8 +85,8 @@ FAULTS = [
      ["dup_name.yaml:9: bucket 'twice': field 'name': name already used by the bucket at "
       "line 3"]),
     ("tile96.yaml", cfg(bucket("odd", tile="[96, 64, 64]")),
-     ["tile96.yaml:7: bucket 'odd': field 'tile': tile M must be one of (8, 16, 32, 64, 128, 256), "
-      "got 96"]),
+     ["tile96.yaml:7: bucket 'odd': field 'tile': tile M must be one of "
+      "(8, 16, 32, 64, 128, 256), got 96"]),
     ("deep.yaml", cfg(bucket("deep", tile="[128, 256, 64]", stages=5)),
      ["deep.yaml:8: bucket 'deep': field 'stages'", "more than 232448", "at most 4 stages fit"]),
 ]

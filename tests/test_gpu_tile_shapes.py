@@ -100,10 +100,14 @@ def forced_layer(layer_file):
     registry.add_config(layer_file)  # conftest removes user layers after every test
 
 
-def _forced(op, spec, fn, name=None):
-    with gemm.force_bucket(name or f"{op}_{_name(*spec)}"):
+def _run_forced(name, fn):
+    with gemm.force_bucket(name):
         poison()
         return fn()
+
+
+def _forced(op, spec, fn):
+    return _run_forced(f"{op}_{_name(*spec)}", fn)
 
 
 @pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
@@ -183,13 +187,13 @@ def test_raster_n_gives_the_same_bits(tmp_path):
     for i in range(len(specs)):
         for m, n, k in [(300, 40000, 1000), (2100, 3000, 520)]:
             x, w, b = rand(m, k), rand(n, k), rand(n)
-            assert same_bits(_forced("fwd", (), lambda: dg.linear(x, w, b), f"fwd_raster{i}"),
+            assert same_bits(_run_forced(f"fwd_raster{i}", lambda: dg.linear(x, w, b)),
                              dg.linear(x, w, b)), (i, m, n, k)
             dy = rand(m, n)
-            assert same_bits(_forced("dx", (), lambda: grads.input_grad(dy, w), f"dx_raster{i}"),
+            assert same_bits(_run_forced(f"dx_raster{i}", lambda: grads.input_grad(dy, w)),
                              grads.input_grad(dy, w)), (i, m, n, k)
             acc0 = torch.randn(n, k, device="cuda")
             want = grads.weight_grad(dy, x, acc=acc0.clone())
-            got = _forced("dw", (), lambda: grads.weight_grad(dy, x, acc=acc0.clone()),
-                          f"dw_raster{i}")
+            got = _run_forced(f"dw_raster{i}",
+                              lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
             assert same_bits(got, want), (i, m, n, k)

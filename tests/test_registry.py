@@ -283,3 +283,36 @@ def test_env_var_layers(monkeypatch, tmp_path):
     assert len(R.get_registry("sm90").files) == 3
     R.reset_user_configs()
     assert len(R.get_registry("sm90").files) == 2
+
+
+@pytest.mark.parametrize("arch, extra, words", [
+    ("sm90", "", ["field 'raster_n'", "set persistent: true"]),
+    ("sm80", "", ["field 'raster_n'", "no persistent schedule"]),
+    ("sm90", "    persistent: true\n", []),
+])
+def test_raster_n_needs_a_persistent_sm90_kernel(tmp_path, arch, extra, words):
+    bk = 64 if arch == "sm90" else 32
+    path = tmp_path / "raster.yaml"
+    path.write_text(f"arch: {arch}\nbuckets:\n  - name: x\n    op: fwd\n    dtypes: [bf16]\n"
+                    f"    m: [1, 64]\n    tile: [64, 64, {bk}]\n    stages: 3\n{extra}"
+                    f"    raster_n: true\n")
+    if not words:
+        (b,) = R.load_config(path, arch=arch).buckets
+        assert b.raster_n is True and b.name == "x"
+        return
+    with pytest.raises(R.ConfigError) as info:
+        R.load_config(path, arch=arch)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_wide_tiles_and_clusters_of_four():
+    """BM 256 takes BN <= 192 and 16-bit operands; clusters have at most four CTAs."""
+    ok = sm90_limits.check_config
+    assert ok((256, 192, 64), (1, 1), 3, True) == []
+    assert ok((256, 128, 64), (2, 2), 4, True) == []
+    assert ok((64, 208, 64), (4, 1), 6, True, swap_ab=True) == []
+    assert [f for f, _ in ok((256, 208, 64), (1, 1), 3, True)] == ["tile"]
+    assert [f for f, _ in ok((256, 128, 32), (1, 1), 3, True, dtypes=("tf32",))] == ["tile"]
+    assert [f for f, _ in ok((256, 128, 96), (1, 1), 2, True, dtypes=("fp32",))] == ["tile"]
+    assert [f for f, _ in ok((128, 128, 64), (4, 2), 4, True)] == ["cluster"]
+    assert sm90_limits.warpgroups(256, 128) == 2 and sm90_limits.warpgroups(128, 128) == 1
