@@ -322,14 +322,18 @@ def _alt_label(v: dict) -> str:
     return s + "".join(f"_{key}" for key in ("pingpong", "swap_ab", "raster_n") if v[key])
 
 
+MIN_COEFFS = 4  # the oldest cost form the tables hold
+
+
 def _cost(v):
-    """Cost coefficients, padded with zeros to N_COEFFS (a 4-number cost: no traffic term)."""
+    """Cost coefficients, padded with zeros to N_COEFFS (a shorter cost, from before a term
+    existed: 4 numbers have no traffic term, 5 no padding term)."""
     n = wave_cost.N_COEFFS
-    ok = isinstance(v, list) and len(v) in (n - 1, n) and all(
+    ok = isinstance(v, list) and MIN_COEFFS <= len(v) <= n and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
         for x in v)
     return (tuple(float(x) for x in v) + (0.0,) * (n - len(v)), None) if ok else (
-        None, f"cost must be a list of {n - 1} or {n} numbers >= 0 (us), got {v!r}")
+        None, f"cost must be a list of {MIN_COEFFS} to {n} numbers >= 0 (us), got {v!r}")
 
 
 def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):

@@ -15,26 +15,33 @@ operands). The unit the GPU schedules is a cluster of CM x CN tiles:
     work   = waves * ceil(K / BK)       k-blocks one SM runs in sequence
     fed    = MB of operand tiles TMA brings into the SMs over the whole grid: every tile
              loads (BM + BN) x BK x 2 bytes per k-block, a multicast operand once per cluster
+    pad    = the fraction of the tiles' extent along the GEMM's M (the caller's rows) that
+             lies past M: 1 - M / (ceil(M / T) * T), T = BN if the tile swaps, else BM
     predicted us = c0 + c1 * work + c2 * work * active / S + c3 * waves
-                   + c4 * fed * active / S
+                   + c4 * fed * active / S + c5 * work * pad
 c0: launch and fill; c1: one k-block on an SM with the memory system to itself; c2: what
 sharing L2 and DRAM with `active` SMs adds to it; c3: a tile's prologue and epilogue; c4:
 the operand traffic, which grows when a small M is cut into several tiles that each read
-the whole weight (it separates one 192-wide tile over M = 176 from two 112-wide ones). The
-coefficients (`cost: [c0, c1, c2, c3, c4]`, microseconds, all >= 0; a 4-number cost has
-c4 = 0) are fitted per alternative to its timings (`detgemm_cute.tune.choice`).
+the whole weight (it separates one 192-wide tile over M = 176 from two 112-wide ones); c5:
+what a k-block costs more when the last tile along M is mostly padding (measured: a swapped
+64x160 tile over M = 176, one full tile and one of 16 rows, took 566 us on a 28672 x 8192
+weight, over M = 320, two full tiles, 291 us; bench/results/tune/tune_raster_pool_*). The
+coefficients (`cost: [c0, ..., c5]`, microseconds, all >= 0; a shorter cost has the missing
+ones 0) are fitted per alternative to its timings (`detgemm_cute.tune.choice`).
 """
 
 from __future__ import annotations
 
-N_COEFFS = 5
+N_COEFFS = 6
 
 
 def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
-    """(1, work, work * active / S, waves, fed * active / S) of one alternative on one
-    problem."""
+    """(1, work, work * active / S, waves, fed * active / S, work * pad) of one alternative
+    on one problem."""
     bm, bn, bk = tile
     cm, cn = cluster
+    rows = bn if swap_ab else bm  # the tile's extent along the GEMM's M
+    pad = 1.0 - m / (-(-m // rows) * rows)
     if swap_ab:
         m, n = n, m
     tiles_m, tiles_n, k_blocks = -(-m // bm), -(-n // bn), -(-k // bk)
@@ -45,7 +52,7 @@ def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> 
     share = min(units, slots) * cm * cn / sms
     # A is multicast along the cluster's N, B along its M (kernels/sm90_base.py)
     fed = tiles_m * tiles_n * k_blocks * (bm / cn + bn / cm) * bk * 2 / 1e6
-    return (1.0, float(work), work * share, float(waves), fed * share)
+    return (1.0, float(work), work * share, float(waves), fed * share, work * pad)
 
 
 def predict_us(cost, tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> float:

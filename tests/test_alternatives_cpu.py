@@ -37,7 +37,7 @@ def test_choice_follows_the_wave_arithmetic(tmp_path):
     ex = D.explain("fwd", "bf16", "sm90", 100000, 64, 64)
     assert "least predicted time of its 2 alternatives" in ex.reason
     assert str(ex).count("option:") == 2 and str(ex).count("<- runs") == 1
-    assert D.bucket_by_name("sm90", "mine.128x256x64_c1x2_s4_p").cost == (2.0, 0.6, 0.1, 1.0, 0.0)  # 4 numbers: no traffic term
+    assert D.bucket_by_name("sm90", "mine.128x256x64_c1x2_s4_p").cost == (2.0, 0.6, 0.1, 1.0, 0.0, 0.0)  # 4 numbers: no traffic or padding term
 
 
 def test_features_by_hand():
@@ -73,7 +73,7 @@ def test_traffic_term_sees_the_weight_read_per_tile_over_m():
 @pytest.mark.parametrize("head, alts, words", [
     ("", (ALT_A,), "sms (the SM count"),
     ("    sms: 132\n    tile: [64, 64, 64]\n", (ALT_A,), "gives its kernel fields in each"),
-    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2]}",), "cost must be a list of 4 or 5"),
+    ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2]}",), "cost must be a list of 4 to 6"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cost: [1, 2, -3, 4]}",), "numbers >= 0"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4}",), "'cost': missing"),
     ("    sms: 132\n", ("{tile: [128, 256, 64], stages: 4, cots: [1, 1, 1, 1]}",), "did you mean 'cost'"),
@@ -102,7 +102,7 @@ def test_builtin_alternatives_are_complete_and_distinct():
 
 def test_fit_recovers_coefficients_and_keeps_floors():
     rnd = random.Random(0)
-    true = (3.0, 0.5, 0.25, 1.5, 0.02)
+    true = (3.0, 0.5, 0.25, 1.5, 0.02, 0.3)
     samples = []
     for _ in range(60):
         # small and large grids alike, so `active` (min(tiles, SMs)) varies
@@ -110,7 +110,7 @@ def test_fit_recovers_coefficients_and_keeps_floors():
                                rnd.randint(100, 8000), rnd.randint(64, 16384), 132)
         samples.append((f, sum(c * x for c, x in zip(true, f))))
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(choice.fit_cost(samples), true))
-    floor = (0.0, 0.9, 0.0, 0.0, 0.0)
+    floor = (0.0, 0.9, 0.0, 0.0, 0.0, 0.0)
     got = choice.fit_cost(samples, floor)
     assert got[1] == pytest.approx(0.9) and min(g - f for g, f in zip(got, floor)) >= 0
 
@@ -193,14 +193,19 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
                      "--out", str(box)]) == 2
 
 
-@pytest.mark.parametrize("group, records, m_range, max_alternatives", [
-    ("small", "tune_small", (129, 511), 24),
-    ("mid", "tune_mid", (512, 1535), 16),
+POOL_RECORDS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_mcast_pool")
+
+
+@pytest.mark.parametrize("group, m_range, n_min, max_alternatives", [
+    ("small", (129, 511), 1, 24),
+    ("mid", (512, 1535), 2305, 16),
 ])
-def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range,
+def test_builtin_buckets_follow_from_the_committed_records(group, m_range, n_min,
                                                            max_alternatives):
-    """The built-in small and mid buckets are what `tune-fit` selects and fits from the tune
-    records committed next to them (bench/results/tune/): configs are data, derived."""
+    """The built-in small and mid buckets are what `choice` selects and fits from the tune
+    records committed next to them (bench/results/tune/: every pool of kernels timed on the
+    same 415 shapes): the contenders, their costs, the greedy selection. Configs are data,
+    derived."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate
@@ -208,12 +213,14 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     from detgemm_cute.tune.summary import all_fields, points_of
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
-    recs = read_records(sorted(root.glob(f"{records}_*.json.gz")))
+    recs = read_records(sorted(p for r in POOL_RECORDS for p in root.glob(f"{r}_*.json.gz")))
     fields = all_fields(recs)
     reg = R.get_registry("sm90")
     for op in ("fwd", "dx"):
-        pts = [p for p in points_of(recs, op) if m_range[0] <= p.m <= m_range[1]]
-        costs = choice.fit_all(pts, fields, 132, 8)
+        pts = [p for p in points_of(recs, op)
+               if m_range[0] <= p.m <= m_range[1] and p.n >= n_min]
+        keep = choice.contenders(pts)
+        costs = {n: c for n, c in choice.fit_all(pts, fields, 132, 8).items() if n in keep}
         names = choice.select(pts, costs, max_alternatives)
         want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
         got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
@@ -238,10 +245,34 @@ def test_builtin_tf32_buckets_follow_from_the_committed_records():
     reg = R.get_registry("sm90")
     for group, (lo, hi) in (("tf32_decode", (1, 127)), ("tf32", (128, None))):
         pts = [p for p in points_of(recs, "fwd") if lo <= p.m and (hi is None or p.m <= hi)]
-        costs = choice.fit_all(pts, fields, 132, 8)
+        # fitted before the padding term existed: five coefficients, the sixth 0
+        costs = choice.fit_all(pts, fields, 132, 8, terms=5)
         names = choice.select(pts, costs, 12)
-        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + (0.0,) for n in names}
         for op in ("fwd", "dx"):
             got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
                    if b.group == f"{op}_{group}"}
             assert got == want, f"{op}_{group}"
+
+
+def test_contenders_need_coverage_and_closeness():
+    """A candidate is fitted only if timed on nearly every problem and within 3% of the
+    fastest on at least 3 of them."""
+    from detgemm_cute.tune.table import Point
+
+    pts = [Point(200 + i, 4096, 4096, {"a": 10.0, "b": 10.2 if i < 3 else 20.0, "c": 30.0,
+                                       **({"d": 5.0} if i == 0 else {})}, {}, "")
+           for i in range(10)]
+    assert choice.contenders(pts) == {"a", "b"}  # c never close, d timed once
+    assert choice.contenders(pts, min_near=4) == {"a"}
+
+
+def test_padding_term_charges_a_mostly_empty_last_tile():
+    """c5 multiplies work x the fraction of the tiles' extent along M past M: a swapped
+    64x160 tile over M = 161 pads 159 of 320 rows, over M = 320 none."""
+    f161 = wave_cost.features((64, 160, 64), (1, 1), True, 161, 28672, 8192, 132)
+    f320 = wave_cost.features((64, 160, 64), (1, 1), True, 320, 28672, 8192, 132)
+    assert f161[:5] == f320[:5]
+    assert f161[5] == pytest.approx(f161[1] * 159 / 320) and f320[5] == 0.0
+    plain = wave_cost.features((128, 128, 64), (1, 2), False, 272, 4096, 4096, 132)
+    assert plain[5] == pytest.approx(plain[1] * (1 - 272 / 384))

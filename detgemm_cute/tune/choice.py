@@ -12,7 +12,9 @@ from the tune records (plain arithmetic, pure Python):
    time the tile's MMAs, or the bytes fed to the SM for them, take at the `Machine`'s
    per-SM rates. Without it a candidate timed only with every SM busy can fit c1 = 0 and
    be predicted fast where few tiles leave most SMs idle.
-2. Select: start from no alternative; add the candidate that most raises the geomean over
+2. Select, among the `contenders` (timed on nearly every problem and close to the best on a
+   few: a kernel that never comes close only adds ways for the model to pick wrong):
+   start from no alternative; add the candidate that most raises the geomean over
    the problems of t_best / (the fastest measured time among the alternatives), stop at
    `max_alternatives` or when no candidate gains `min_gain`. (Selecting on the times the
    model's own picks reach instead scored lower on left-out token counts.)
@@ -30,18 +32,20 @@ MISSING_RATIO = 0.5  # t_best / t for a problem none of the alternatives was mea
 
 
 def fit_cost(samples, floor=(0.0,) * N_COEFFS) -> tuple | None:
-    """Coefficients c >= floor minimising sum(((f . c) - t) / t)^2 over (features, t)."""
+    """Coefficients c >= floor minimising sum(((f . c) - t) / t)^2 over (features, t); as
+    many coefficients as `floor` has (the first len(floor) features)."""
     import torch
 
     if not samples:
         return None
-    f = torch.tensor([s[0] for s in samples], dtype=torch.float64)
+    terms = len(floor)
+    f = torch.tensor([s[0][:terms] for s in samples], dtype=torch.float64)
     t = torch.tensor([s[1] for s in samples], dtype=torch.float64)
     lo = torch.tensor(floor, dtype=torch.float64)
     x = f / t[:, None]  # relative error: every row divided by its time
-    free = list(range(N_COEFFS))
+    free = list(range(terms))
     while free:
-        fixed = [j for j in range(N_COEFFS) if j not in free]
+        fixed = [j for j in range(terms) if j not in free]
         rest = 1.0 - x[:, fixed] @ lo[fixed]
         # gelsd: least squares by SVD, so collinear features (e.g. every problem filling
         # every SM) still give the minimum-norm solution
@@ -69,8 +73,9 @@ def _kernel(fields: dict) -> tuple:
             bool(fields.get("swap_ab", False)))
 
 
-def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
-    """{candidate: cost} for every candidate measured on >= min_points of `points`."""
+def fit_all(points, fields: dict, sms: int, min_points: int = 8, terms: int = N_COEFFS) -> dict:
+    """{candidate: cost} for every candidate measured on >= min_points of `points`; `terms`:
+    fit the first that many coefficients only (5: a table fitted before the padding term)."""
     samples: dict = {}
     for p in points:
         for name, t in p.times.items():
@@ -79,7 +84,7 @@ def fit_all(points, fields: dict, sms: int, min_points: int = 8) -> dict:
     out = {}
     for name, s in samples.items():
         if len(s) >= min_points:
-            floor = (0.0, kblock_floor_us(fields[name]["tile"])) + (0.0,) * (N_COEFFS - 2)
+            floor = (0.0, kblock_floor_us(fields[name]["tile"])) + (0.0,) * (terms - 2)
             cost = fit_cost(s, floor)
             if cost is not None:
                 out[name] = cost
@@ -106,6 +111,25 @@ def reach(points, names) -> float:
     return math.exp(logs / len(points))
 
 
+def contenders(points, coverage: float = 0.95, near: float = 1.03,
+               min_near: int = 3) -> set[str]:
+    """Candidates worth fitting: timed on at least `coverage` of `points` and within `near`
+    of the fastest candidate on at least `min_near` of them (a kernel that never comes
+    close to the best only adds ways for the model to pick wrong)."""
+    timed: dict = {}
+    close: dict = {}
+    for p in points:
+        for name in p.times:
+            timed[name] = timed.get(name, 0) + 1
+    wide = {n for n, c in timed.items() if c >= coverage * len(points)}
+    for p in points:
+        best = min(t for n, t in p.times.items() if n in wide)
+        for n, t in p.times.items():
+            if n in wide and t <= near * best:
+                close[n] = close.get(n, 0) + 1
+    return {n for n in wide if close.get(n, 0) >= min_near}
+
+
 def select(points, costs: dict, max_alternatives: int = 12, min_gain: float = 0.001) -> list[str]:
     """Greedy forward selection of the alternatives (step 2 of the module docstring)."""
     chosen, current = [], 0.0
@@ -125,11 +149,13 @@ def select(points, costs: dict, max_alternatives: int = 12, min_gain: float = 0.
 def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternatives: int = 12,
                    min_points: int = 8) -> list[tuple]:
     """[(point, chosen name or None)] with each token count left out of fitting and
-    selection in turn; `token_dim` is "m" (fwd, dx) or "k" (dW)."""
+    selection in turn (among the contenders of all points); `token_dim` is "m" (fwd, dx)
+    or "k" (dW)."""
     out = []
+    keep = contenders(points)
     for hold in sorted({getattr(p, token_dim) for p in points}):
         train = [p for p in points if getattr(p, token_dim) != hold]
-        costs = fit_all(train, fields, sms, min_points)
+        costs = {n: c for n, c in fit_all(train, fields, sms, min_points).items() if n in keep}
         names = select(train, costs, max_alternatives)
         out += [(p, pick(p, names, costs, fields, sms))
                 for p in points if getattr(p, token_dim) == hold]
@@ -151,5 +177,5 @@ def bucket_yaml(name: str, op: str, dtypes, ranges, sms: int, names, costs: dict
     return lines
 
 
-__all__ = ["fit_cost", "fit_all", "pick", "reach", "select", "cross_validate",
+__all__ = ["fit_cost", "fit_all", "contenders", "pick", "reach", "select", "cross_validate",
            "bucket_yaml", "MISSING_RATIO"]

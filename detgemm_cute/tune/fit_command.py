@@ -10,7 +10,9 @@
 Reads one or more `--json` files of `detgemm-cute tune` (plain or .gz; records of one GEMM in
 several files are merged), and per op writes one bucket covering --m-min <= M <= --m-max and
 --n-min <= N <= --n-max (GEMM dims; every K; the records outside are not used),
-its alternatives and their cost coefficients fitted by `detgemm_cute.tune.choice`. Prints,
+its alternatives (selected among the contenders: candidates timed on >= 95% of the problems
+and within 3% of the fastest on at least 3) and their cost coefficients fitted by
+`detgemm_cute.tune.choice`. Prints,
 per op, how the model's picks compare with cuBLASLt no split-K on the records, both fitted on
 all of them and with each token count (M; K for dw) left out of fitting and selection.
 `--keep FILE` refits the alternatives of that layer's buckets instead of selecting new ones.
@@ -73,6 +75,9 @@ def fit_op(records, op: str, args, out) -> list[str]:
            if args.m_min <= p.m <= m_hi and args.n_min <= p.n <= n_hi]
     token = "k" if op == "dw" else "m"
     costs = choice.fit_all(pts, fields, args.sms, args.min_points)
+    if not args.keep:
+        keep = choice.contenders(pts)
+        costs = {n: c for n, c in costs.items() if n in keep}
     names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
              else choice.select(pts, costs, args.max_alternatives))
     if len(names) < 1:
