@@ -220,10 +220,8 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     for op in ("fwd", "dx"):
         pts = [p for p in points_of(recs, op)
                if m_range[0] <= p.m <= m_range[1] and p.n >= n_min]
-        costs = choice.fit_all(pts, fields, 132, 8, terms=terms)
-        if contend:
-            keep = choice.contenders(pts)
-            costs = {n: c for n, c in costs.items() if n in keep}
+        costs = choice.fit_all(pts, fields, 132, 8, terms=terms,
+                               only=choice.contenders(pts) if contend else None)
         names = choice.select(pts, costs, max_alternatives)
         pad = (0.0,) * (wave_cost.N_COEFFS - terms)
         want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + pad for n in names}

@@ -73,12 +73,16 @@ def _kernel(fields: dict) -> tuple:
             bool(fields.get("swap_ab", False)))
 
 
-def fit_all(points, fields: dict, sms: int, min_points: int = 8, terms: int = N_COEFFS) -> dict:
-    """{candidate: cost} for every candidate measured on >= min_points of `points`; `terms`:
-    fit the first that many coefficients only (5: a table fitted before the padding term)."""
+def fit_all(points, fields: dict, sms: int, min_points: int = 8, terms: int = N_COEFFS,
+            only=None) -> dict:
+    """{candidate: cost} for every candidate measured on >= min_points of `points` (of those
+    in `only`, when given); `terms`: fit the first that many coefficients only (5: a table
+    fitted before the padding term)."""
     samples: dict = {}
     for p in points:
         for name, t in p.times.items():
+            if only is not None and name not in only:
+                continue
             samples.setdefault(name, []).append((features(*_kernel(fields[name]), p.m, p.n,
                                                           p.k, sms), t))
     out = {}
@@ -155,7 +159,7 @@ def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternati
     keep = contenders(points)
     for hold in sorted({getattr(p, token_dim) for p in points}):
         train = [p for p in points if getattr(p, token_dim) != hold]
-        costs = {n: c for n, c in fit_all(train, fields, sms, min_points).items() if n in keep}
+        costs = fit_all(train, fields, sms, min_points, only=keep)
         names = select(train, costs, max_alternatives)
         out += [(p, pick(p, names, costs, fields, sms))
                 for p in points if getattr(p, token_dim) == hold]

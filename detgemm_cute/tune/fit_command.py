@@ -74,10 +74,8 @@ def fit_op(records, op: str, args, out) -> list[str]:
     pts = [p for p in points_of(records, op)
            if args.m_min <= p.m <= m_hi and args.n_min <= p.n <= n_hi]
     token = "k" if op == "dw" else "m"
-    costs = choice.fit_all(pts, fields, args.sms, args.min_points)
-    if not args.keep:
-        keep = choice.contenders(pts)
-        costs = {n: c for n, c in costs.items() if n in keep}
+    costs = choice.fit_all(pts, fields, args.sms, args.min_points,
+                           only=None if args.keep else choice.contenders(pts))
     names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
              else choice.select(pts, costs, args.max_alternatives))
     if len(names) < 1:
