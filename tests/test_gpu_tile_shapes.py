@@ -4,7 +4,11 @@ whose M, N and K cut through their tiles, against the built-in table's bits.
 
 Row tiles load only BM rows of A per stage and zero the other 64 - BM shared rows once; a
 bug there (a padding row not zero, a row stored twice, a stage read before its zeros) shows
-up as different bits or as NaN left in the poisoned output."""
+up as different bits or as NaN left in the poisoned output.
+
+A ragged last tile along M or N is moved back to end at the edge (its first rows are also
+the previous tile's): `test_ragged_last_tiles_match_the_reference` checks those problems
+against the CPU reference's bits, independently of the GPU's other tiles."""
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs an SM90 GPU (the sm90 family's tiles)", allow_module_level=True)
 
 import detgemm_cute as dg  # noqa: E402
-from detgemm_cute import gemm, grads, registry  # noqa: E402
+from detgemm_cute import gemm, grads, reference, registry  # noqa: E402
 from gpu_helpers import poison, rand, same_bits  # noqa: E402
 
 # (tile, stages, persistent, cluster, pingpong, swap_ab)
@@ -137,6 +141,29 @@ def test_backward_bits(forced_layer, spec):
     want = grads.weight_grad(dy, x, acc=acc0.clone())
     got = _forced("dw", spec, lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
     assert same_bits(got, want)
+
+
+def _ragged(tile, swap_ab):
+    """(M, N) pairs whose last tile holds 1, 3 or BM-1 rows (the caller's M runs along the
+    kernel's N when operands are swapped), one shorter than a tile, and whose N is ragged
+    too."""
+    rows, cols = (tile[1], tile[0]) if swap_ab else (tile[0], tile[1])
+    return [(rows + 1, 3 * cols + 5), (2 * rows + 3, cols - 1 if cols > 8 else cols + 1),
+            (3 * rows - 1, cols + 1), (max(rows - 3, 1), 2 * cols + 7)]
+
+
+@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
+def test_ragged_last_tiles_match_the_reference(forced_layer, spec):
+    """fwd (with bias) and dX on problems whose last tile along M and N is mostly empty,
+    so it is moved back and overlaps the tile before it: bits equal the CPU reference's and
+    no poisoned output is left."""
+    k = 200
+    for m, n in _ragged(spec[0], spec[5]):
+        x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
+        got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
+        assert same_bits(got.cpu(), reference.linear(x.cpu(), w.cpu(), b.cpu())), (m, n)
+        got = _forced("dx", spec, lambda: grads.input_grad(dy, w))
+        assert same_bits(got.cpu(), reference.mm(dy.cpu(), w.cpu())), (m, n)
 
 
 MANY = PINGPONG + SWAPPED + WIDE

@@ -7,9 +7,14 @@ in BK-wide TMA tiles; inside a tile the WGMMA instructions are issued in ascendi
 K steps onto the same accumulator registers, and WGMMAs on one accumulator retire in issue
 order. So every output element is the same ascending chain of 16-wide blocks
 ``acc = blk(acc, k0..k0+15)``, whatever the tile shape, cluster shape, stage count or the
-number of rows in the problem: no split-K, no reduction across CTAs, no atomics. Tails of
-M, N and K are handled by TMA's out-of-bounds zero fill (loads) and clipping (stores); zeros
-past the end of K contribute exact zero products, which leave the chain unchanged.
+number of rows in the problem: no split-K, no reduction across CTAs, no atomics. A ragged
+last tile along M or N (the extent at least one tile) is moved back to end at the edge, so
+every TMA box lies inside the tensors; its first rows (columns) are also computed by the
+tile before it, with the same chain, and both store the same bits (not with ``accumulate``,
+whose tiles read C: there the last tile is clipped). Boxes that ran mostly past M measured
+up to 3.6x slower than full ones. Extents shorter than a tile and the tail of K use TMA's
+out-of-bounds zero fill (loads) and clipping (stores); zeros past the end of K contribute
+exact zero products, which leave the chain unchanged.
 
 Every tile starts its accumulators at +0.0 -- or, with ``accumulate`` (dW += dY^T X), at the
 fp32 values already in C, loaded by each thread for its own fragment -- and accumulates
@@ -119,13 +124,12 @@ class Sm90Gemm(Sm90Base):
         _, _, tile_l = cute.arch.block_idx()  # batch entry (0 for a plain GEMM)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
+        (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
-        tAgA_k = tAgA[(None, tile_m, None, tile_l)]
-        tBgB_k = tBgB[(None, tile_n, None, tile_l)]
-        bm, bn, _ = self.tile_shape_mnk
-        gC = cute.local_tile(mC_mn, (bm, bn), (tile_m, tile_n, tile_l))
+        tile = (tile_m, tile_n, tile_l)
+        tAgA_k, tBgB_k = self._tile_loads(src, mC_mn, tile)
+        gC = self._tile_c(mC_mn, tile)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(wg_idx))
@@ -162,7 +166,7 @@ class Sm90Gemm(Sm90Base):
 
         if cutlass.const_expr(self.has_bias):
             # Coordinates need the per-thread slice (thr_mma above is per warpgroup).
-            self._add_bias(acc, tiled_mma.get_slice(tidx), mBias, mC_mn, tile_m, tile_n)
+            self._add_bias(acc, tiled_mma.get_slice(tidx), mBias, mC_mn, tile)
         c_pipeline, barrier = self._epilogue_sync()
         self._epilogue(acc, tiled_mma, tidx, warp_idx == 0, sC, gC, tma_atom_c, c_pipeline,
                        0, barrier)
@@ -198,8 +202,8 @@ class Sm90GemmPersistent(Sm90Base):
         return grid, (sched,), {"min_blocks_per_mp": 1}
 
     @cute.jit
-    def _produce(self, sched_params, ab_pipeline, k_tiles, tma_atom_a, tAgA, tAsA, a_mask,
-                 tma_atom_b, tBgB, tBsB, b_mask):
+    def _produce(self, sched_params, ab_pipeline, k_tiles, src, mC_mn, tAsA, a_mask, tBsB,
+                 b_mask):
         """The producer warp: walk the CTA's tiles (static schedule: tile t, t + grid, ...)
         and stream each tile's k tiles 0, 1, 2, ... into the stage ring."""
         sched = utils.StaticPersistentTileScheduler.create(
@@ -207,13 +211,11 @@ class Sm90GemmPersistent(Sm90Base):
         work = sched.initial_work_tile_info()
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while work.is_valid_tile:
-            tile = work.tile_idx
-            tAgA_k = tAgA[(None, tile[0], None, tile[2])]
-            tBgB_k = tBgB[(None, tile[1], None, tile[2])]
+            tAgA_k, tBgB_k = self._tile_loads(src, mC_mn, work.tile_idx)
             prod.reset_count()
             for _k in cutlass.range(k_tiles, unroll=1):
-                self._load_k_tile(ab_pipeline, prod, tma_atom_a, tAgA_k, tAsA, a_mask,
-                                  tma_atom_b, tBgB_k, tBsB, b_mask)
+                self._load_k_tile(ab_pipeline, prod, src[0], tAgA_k, tAsA, a_mask,
+                                  src[3], tBgB_k, tBsB, b_mask)
                 prod.advance()
             sched.advance_to_next_work()
             work = sched.get_current_work()
@@ -243,11 +245,9 @@ class Sm90GemmPersistent(Sm90Base):
         warp_idx, tidx = self._prefetch_descriptors(tma_atom_a, tma_atom_b)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        (ab_pipeline, sA, sB, sC, tAsA, tAgA, tBsB, tBgB, a_mask, b_mask, k_tiles) = self._setup(
+        (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
-        bm, bn, _ = self.tile_shape_mnk
-        gC_all = cute.local_tile(mC_mn, (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         consumer = wg_idx - self.producer_warpgroups
@@ -265,8 +265,8 @@ class Sm90GemmPersistent(Sm90Base):
         if wg_idx < self.producer_warpgroups:
             cute.arch.setmaxregister_decrease(self.load_registers)
         if warp_idx == 0:
-            self._produce(sched_params, ab_pipeline, k_tiles, tma_atom_a, tAgA, tAsA, a_mask,
-                          tma_atom_b, tBgB, tBsB, b_mask)
+            self._produce(sched_params, ab_pipeline, k_tiles, src, mC_mn, tAsA, a_mask, tBsB,
+                          b_mask)
 
         if wg_idx >= self.producer_warpgroups:
             cute.arch.setmaxregister_increase(self.mma_registers)
@@ -313,8 +313,8 @@ class Sm90GemmPersistent(Sm90Base):
                     release.advance()
 
                 if cutlass.const_expr(self.has_bias):
-                    self._add_bias(acc, thr_mma_thread, mBias, mC_mn, tile[0], tile[1])
-                gC = gC_all[(None, None, *tile)]
+                    self._add_bias(acc, thr_mma_thread, mBias, mC_mn, tile)
+                gC = self._tile_c(mC_mn, tile)
                 if cutlass.const_expr(self.pingpong):
                     # The consumers share the epilogue buffer: each stores in its turn, from
                     # buffer 0, and hands over once its stores have left shared memory.
