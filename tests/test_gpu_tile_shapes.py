@@ -148,22 +148,28 @@ def _ragged(tile, swap_ab):
     kernel's N when operands are swapped), one shorter than a tile, and whose N is ragged
     too."""
     rows, cols = (tile[1], tile[0]) if swap_ab else (tile[0], tile[1])
-    return [(rows + 1, 3 * cols + 5), (2 * rows + 3, cols - 1 if cols > 8 else cols + 1),
-            (3 * rows - 1, cols + 1), (max(rows - 3, 1), 2 * cols + 7)]
+    return [(rows + 1, 3 * cols + 5), (2 * rows + 3, 2 * cols), (3 * rows - 1, cols + 1),
+            (2 * rows, cols + 9), (max(rows - 3, 1), 2 * cols + 7)]
 
 
 @pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
 def test_ragged_last_tiles_match_the_reference(forced_layer, spec):
-    """fwd (with bias) and dX on problems whose last tile along M and N is mostly empty,
-    so it is moved back and overlaps the tile before it: bits equal the CPU reference's and
-    no poisoned output is left."""
+    """fwd (with bias, bf16 and fp32 out, X as a transposed view) and dX on problems whose
+    last tile along M, N or both is mostly empty, so it is moved back and overlaps the
+    tile before it: bits equal the CPU reference's and no poisoned output is left."""
     k = 200
     for m, n in _ragged(spec[0], spec[5]):
         x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
+        xc, wc, bc = x.cpu(), w.cpu(), b.cpu()
         got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
-        assert same_bits(got.cpu(), reference.linear(x.cpu(), w.cpu(), b.cpu())), (m, n)
+        assert same_bits(got.cpu(), reference.linear(xc, wc, bc)), (m, n)
+        got = _forced("fwd", spec, lambda: dg.linear(x, w, b, out_dtype=torch.float32))
+        assert same_bits(got.cpu(), reference.linear(xc, wc, bc, torch.float32)), (m, n)
+        xt = x.t().contiguous().t()  # M-major X
+        got = _forced("fwd", spec, lambda: dg.mm(xt, w.t()))
+        assert same_bits(got.cpu(), reference.mm(xc, wc.t())), (m, n)
         got = _forced("dx", spec, lambda: grads.input_grad(dy, w))
-        assert same_bits(got.cpu(), reference.mm(dy.cpu(), w.cpu())), (m, n)
+        assert same_bits(got.cpu(), reference.mm(dy.cpu(), wc)), (m, n)
 
 
 MANY = PINGPONG + SWAPPED + WIDE

@@ -92,6 +92,13 @@ class Sm90Base:
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
         self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
+        # A moved last tile starts at a multiple of 16 bytes along any tensor's contiguous
+        # dimension: a TMA store from an unaligned start traps (illegal instruction).
+        self.tail_align = (
+            max(self._align16(self.a_dtype, self.a_layout.is_m_major_a()),
+                self._align16(self.c_dtype, self.c_layout.is_m_major_c())),
+            max(self._align16(self.b_dtype, self.b_layout.is_n_major_b()),
+                self._align16(self.c_dtype, self.c_layout.is_n_major_c())))
         if cutlass.const_expr(self.tf32):
             self.tiled_mma = make_tf32_tiled_mma(self.atom_layout_mnk,
                                                  (64, self.tile_shape_mnk[1]))
@@ -153,6 +160,11 @@ class Sm90Base:
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.a_layout, self.a_dtype, bk), self.a_dtype)
         return cute.tile_to_shape(atom, (rows, bk, self.ab_stage), order=(1, 0, 2))
+
+    @staticmethod
+    def _align16(dtype, contiguous: bool) -> int:
+        """Elements in 16 bytes of `dtype` along a contiguous dimension, else 1."""
+        return 128 // dtype.width if contiguous else 1
 
     @staticmethod
     def _tma_load(tensor, smem_layout_staged, smem_tile, mcast):
@@ -232,26 +244,28 @@ class Sm90Base:
         return tAsA, tAgA, tBsB, tBgB
 
     @cute.jit
-    def _tail_offset(self, tile, extent, size: cutlass.Constexpr):
+    def _tail_offset(self, tile, extent, size: cutlass.Constexpr, align: cutlass.Constexpr):
         """Elements (<= 0) by which tile `tile` of `size` moves back so that it ends inside
-        `extent`: the last tile of a ragged extent then covers its last `size` elements, all
-        in bounds, instead of a box that runs past the end (TMA boxes mostly past the end
-        measured up to 3.6x slower than full ones). Its first rows are also computed by the
-        tile before it: the same chain per element, so both store the same bits. 0 when
-        the extent is shorter than a tile, and with `accumulate` (dW +=), where a row
-        computed twice would read C after the other tile had stored it."""
+        `extent` (to within align - 1 elements: the move is a multiple of `align`): the last
+        tile of a ragged extent then covers its last elements, in bounds, instead of a box
+        that runs mostly past the end (such boxes measured up to 3.6x slower than full
+        ones). Its first rows are also computed by the tile before it: the same chain per
+        element, so both store the same bits. 0 when the extent is shorter than a tile, and
+        with `accumulate` (dW +=), where a row computed twice would read C after the other
+        tile had stored it."""
         off = cutlass.Int32(0)
         if cutlass.const_expr(not self.accumulate):
             if extent >= size:
-                off = cutlass.max(cutlass.min(extent - (tile + 1) * size, 0), 1 - size)
+                pad = cutlass.max(cutlass.min((tile + 1) * size - extent, size - 1), 0)
+                off = pad % align - pad
         return off
 
     @cute.jit
     def _tail_offsets(self, mC_mn, tile):
         """(off_m, off_n) of output tile `tile` (m, n, l): see `_tail_offset`."""
         bm, bn, _ = self.tile_shape_mnk
-        return (self._tail_offset(tile[0], cute.size(mC_mn, mode=[0]), bm),
-                self._tail_offset(tile[1], cute.size(mC_mn, mode=[1]), bn))
+        return (self._tail_offset(tile[0], cute.size(mC_mn, mode=[0]), bm, self.tail_align[0]),
+                self._tail_offset(tile[1], cute.size(mC_mn, mode=[1]), bn, self.tail_align[1]))
 
     @cute.jit
     def _tile_loads(self, src, mC_mn, tile):
