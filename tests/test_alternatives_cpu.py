@@ -95,7 +95,7 @@ def test_builtin_alternatives_are_complete_and_distinct():
     assert set(groups) >= {"fwd_prefill", "dx_prefill", "dw_prefill"}
     for name, alts in groups.items():
         assert len(alts) >= 2 and len({(a.tile, a.cluster, a.stages, a.persistent, a.pingpong,
-                                        a.swap_ab) for a in alts}) == len(alts)
+                                        a.swap_ab, a.raster_n) for a in alts}) == len(alts)
         assert all(a.sms == 132 and len(a.cost) == wave_cost.N_COEFFS and min(a.cost) >= 0 for a in alts)
         assert len({(a.m, a.n, a.k, a.dtypes, a.op) for a in alts}) == 1
 
@@ -196,17 +196,23 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
 SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_mcast_pool")
 
 
-@pytest.mark.parametrize("group, records, m_range, n_min, max_alternatives, terms, contend", [
+@pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
+                         "ops", [
     # every pool timed on the same 415 shapes; the padding term; contenders only
-    ("small", SMALL_POOLS, (129, 511), 1, 24, 6, True),
+    ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("fwd", "dx")),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: bench/results/gemm_*_small-mid-ab.md)
-    ("mid", ("tune_mid",), (512, 1535), 1, 16, 5, False),
+    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
+    # narrow outputs at mid M, timed after the ragged-tile change; dx only (the fwd fit lost
+    # its A/B: bench/results/gemm_*_narrow-ab-*.md)
+    ("mid_narrow", ("tune_narrow",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),
 ])
-def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_min,
-                                                           max_alternatives, terms, contend):
-    """The built-in small and mid buckets are what `choice` selects and fits from the tune
-    records committed next to them (bench/results/tune/): configs are data, derived."""
+def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
+                                                           max_alternatives, terms, contend,
+                                                           ops):
+    """The built-in small, mid and dx mid-narrow buckets are what `choice` selects and fits
+    from the tune records committed next to them (bench/results/tune/): configs are data,
+    derived."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate
@@ -217,9 +223,9 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     recs = read_records(sorted(p for r in records for p in root.glob(f"{r}_*.json.gz")))
     fields = all_fields(recs)
     reg = R.get_registry("sm90")
-    for op in ("fwd", "dx"):
-        pts = [p for p in points_of(recs, op)
-               if m_range[0] <= p.m <= m_range[1] and p.n >= n_min]
+    for op in ops:
+        pts = [p for p in points_of(recs, op) if m_range[0] <= p.m <= m_range[1]
+               and n_range[0] <= p.n <= (n_range[1] or p.n)]
         costs = choice.fit_all(pts, fields, 132, 8, terms=terms,
                                only=choice.contenders(pts) if contend else None)
         names = choice.select(pts, costs, max_alternatives)
