@@ -214,8 +214,8 @@ class Sm90GemmPersistent(Sm90Base):
             tAgA_k, tBgB_k = self._tile_loads(src, mC_mn, work.tile_idx)
             prod.reset_count()
             for _k in cutlass.range(k_tiles, unroll=1):
-                self._load_k_tile(ab_pipeline, prod, src[0], tAgA_k, tAsA, a_mask,
-                                  src[3], tBgB_k, tBsB, b_mask)
+                self._load_k_tile(ab_pipeline, prod, src.atom_a, tAgA_k, tAsA, a_mask,
+                                  src.atom_b, tBgB_k, tBsB, b_mask)
                 prod.advance()
             sched.advance_to_next_work()
             work = sched.get_current_work()

@@ -7,7 +7,7 @@ classes in `sm90.py` decide which tile a CTA (or a consumer warpgroup) runs when
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -22,6 +22,19 @@ from .tf32_mma import make_tf32_tiled_mma
 
 WG = 128  # threads per warpgroup
 EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
+
+
+class TmaSources(NamedTuple):
+    """What the TMA partitions of A and B are built from (`Sm90Base._partition_loads`)."""
+
+    atom_a: Any
+    mA_mk: Any  # TMA coordinate tensor of A (M, K, L)
+    sA_load: Any  # the stages TMA writes A into
+    atom_b: Any
+    mB_nk: Any  # TMA coordinate tensor of B (N, K, L)
+    sB: Any
+    cta_layout_mnk: Any
+    cluster_coord: Any
 
 
 class Sm90Base:
@@ -218,7 +231,8 @@ class Sm90Base:
         sA_load = sA
         if cutlass.const_expr(self.row_tile):
             sA_load = cute.flat_divide(sA, (bm, bk))[(None, None, 0, 0, None)]  # BM-row prefix
-        src = (tma_atom_a, mA_mk, sA_load, tma_atom_b, mB_nk, sB, cta_layout_mnk, cluster_coord)
+        src = TmaSources(tma_atom_a, mA_mk, sA_load, tma_atom_b, mB_nk, sB, cta_layout_mnk,
+                         cluster_coord)
         tAsA, tAgA, tBsB, tBgB = self._partition_loads(src, 0, 0)
         k_tiles = cute.size(tAgA, mode=[2])
         return ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles
@@ -227,20 +241,19 @@ class Sm90Base:
     def _partition_loads(self, src, off_m, off_n):
         """TMA partitions of A and B over all (m|n, k, l) tiles, with the tile grid moved by
         (off_m, off_n) elements (see `_tail_offsets`)."""
-        tma_atom_a, mA_mk, sA_load, tma_atom_b, mB_nk, sB, cta_layout_mnk, cluster_coord = src
         bm, bn, bk = self.tile_shape_mnk
-        gA = cute.local_tile(cute.domain_offset((off_m, 0, 0), mA_mk), (bm, bk),
+        gA = cute.local_tile(cute.domain_offset((off_m, 0, 0), src.mA_mk), (bm, bk),
                              (None, None, None))  # (BM, BK, tm, tk, L)
-        gB = cute.local_tile(cute.domain_offset((off_n, 0, 0), mB_nk), (bn, bk),
+        gB = cute.local_tile(cute.domain_offset((off_n, 0, 0), src.mB_nk), (bn, bk),
                              (None, None, None))  # (BN, BK, tn, tk, L)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, cluster_coord[1],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2))
+            src.atom_a, src.cluster_coord[1],
+            cute.make_layout(cute.slice_(src.cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(src.sA_load, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, cluster_coord[0],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            src.atom_b, src.cluster_coord[0],
+            cute.make_layout(cute.slice_(src.cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(src.sB, 0, 2), cute.group_modes(gB, 0, 2))
         return tAsA, tAgA, tBsB, tBgB
 
     @cute.jit
