@@ -273,6 +273,9 @@ def test_contenders_need_coverage_and_closeness():
            for i in range(10)]
     assert choice.contenders(pts) == {"a", "b"}  # c never close, d timed once
     assert choice.contenders(pts, min_near=4) == {"a"}
+    # a problem that only an occasional candidate ran counts for nothing (no error)
+    lone = Point(999, 4096, 4096, {"d": 5.0}, {}, "")
+    assert choice.contenders(pts + [lone], coverage=0.9) == {"a", "b"}
 
 
 def test_padding_term_charges_a_mostly_empty_last_tile():

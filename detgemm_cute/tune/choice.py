@@ -127,7 +127,9 @@ def contenders(points, coverage: float = 0.95, near: float = 1.03,
             timed[name] = timed.get(name, 0) + 1
     wide = {n for n, c in timed.items() if c >= coverage * len(points)}
     for p in points:
-        best = min(t for n, t in p.times.items() if n in wide)
+        best = min((t for n, t in p.times.items() if n in wide), default=None)
+        if best is None:  # none of the widely timed candidates ran on this problem
+            continue
         for n, t in p.times.items():
             if n in wide and t <= near * best:
                 close[n] = close.get(n, 0) + 1
