@@ -100,6 +100,15 @@ def _variants(bucket, which: str):
                     yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
                                b_contig=b_contig, has_bias=False, batched=True)
         return
+    if bucket.op == "grouped":  # expert weights [G, K, N] with K or N contiguous, or staged
+        layouts = (("k", "kn", "first"), ("k", "kn", "last")) + (
+            (("k", "nk", "last"),) if which == "all" else ())
+        for dtype in bucket.dtypes:
+            for out in ((dtype,) if which == "core" else (dtype, "fp32")):
+                for a_major, b_form, b_contig in layouts:
+                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
+                               b_contig=b_contig, has_bias=False, grouped=True)
+        return
     core = ("k", "nk", "last", True) if bucket.op == "fwd" else ("k", "kn", "last", False)
     for dtype in bucket.dtypes:
         if which == "core":
@@ -154,6 +163,7 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
                          + (" acc" if call.get("accumulate") else "")
                          + (" batched" if call.get("batched") else "")
+                         + (" grouped" if call.get("grouped") else "")
                          + (" split(fp32)" if call.get("split") else "")
                          + (" tf32" if call["dtype"] == "tf32" else ""))
                 t0 = time.time()

@@ -12,8 +12,13 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
   -> [G, M, N], out[g] = a[:, group g] @ b[group g, :], each a chain over its group alone.
 - 3-D x 3-D without offs: `bmm`.
 
-The grouped forms read ``offs`` on the host (one device sync per call; not capturable in a
-CUDA graph) and launch one GEMM per non-empty group, spread over a few side streams so
+The 2-D x 3-D form with bf16/fp16 inputs on SM90 is one launch of the grouped kernel (see
+`grouped`), which reads ``offs`` on the device; eager calls still check offs on the host
+(one device sync), calls captured in a CUDA graph do not (the kernel clamps every group
+into the rows of x, so a bad offs cannot read or write out of bounds).
+Other grouped calls (SM80, fp32 inputs, more groups than the kernel's table holds, the 2-D x
+2-D form) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
+graph) and launch one GEMM per non-empty group, spread over a few side streams so
 consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
 Measured on an H100 (bench/results/moe_grouped_*.json): four side streams against one took
 the 8-expert layer from 727/820 us to 562/575 us at 256 tokens and 831 to 726 us at 1024
@@ -33,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import batched, split
+from . import batched, grouped, split
 from .errors import GEMM_DTYPES, check_bmm_args, check_operand_dtypes, check_out_and_bias
 from .gemm import gemm
 
@@ -171,8 +176,9 @@ def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
 def _group_ends(offs: Tensor, total: int, op: str) -> list[int]:
     """offs on the host (checked by `check_grouped_args`), non-decreasing and <= total."""
     if offs.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{op}: the grouped forms read offs on the host and cannot be "
-                           f"captured in a CUDA graph")
+        raise RuntimeError(f"{op}: this grouped call runs one GEMM per group, which reads "
+                           f"offs on the host and cannot be captured in a CUDA graph (the "
+                           f"2-D x 3-D form in one launch can: bf16/fp16 on SM90)")
     ends = offs.tolist()
     prev = 0
     for g, e in enumerate(ends):
@@ -227,7 +233,14 @@ def _grouped_impl(a, b, offs, out_dtype, op):
     launches = []
     if form == "2-D x 3-D":
         t, n = a.shape[0], b.shape[2]
-        ends = _group_ends(offs, t, op)
+        ends = None
+        if a.is_cuda and not empty:
+            if not torch.cuda.is_current_stream_capturing():
+                ends = _group_ends(offs, t, op)  # checked on the host, except in a capture
+            y = grouped.grouped_mm(a, b, offs, dt)
+            if y is not None:
+                return y
+        ends = _group_ends(offs, t, op) if ends is None else ends
         out = torch.empty((t, n), dtype=dt, device=a.device)
         out[ends[-1] if ends else 0:].zero_()  # rows past the last group
         start, table = 0, _table_for(b)

@@ -55,6 +55,9 @@ class KernelKey:
     # The persistent schedule walks the N tiles fastest: concurrent CTAs then share the tile
     # of A (e.g. a swapped weight tile) instead of B's. Order only; no tile's arithmetic.
     raster_n: bool = False
+    # Row groups of A and C with their own B ([G, ., .]; grouped_mm's mixture-of-experts
+    # form): the kernel takes the groups' int32 cumulative row ends instead of a bias.
+    grouped: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -79,29 +82,33 @@ def _cutlass_dtype(name: str):
 
 def _make_fakes(key: KernelKey):
     import cutlass.cute as cute
+
+    import cutlass
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     in_t, out_t = _cutlass_dtype(key.dtype), _cutlass_dtype(key.out_dtype)
     # A and B get their own K: a staged (zero-padded) operand may be longer in K than the
     # other; the kernel counts k tiles from A and TMA zero-fills B past its end.
     m, n, k_a, k_b = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    batch = cute.sym_int() if key.batched else None
+    batch = cute.sym_int() if key.batched or key.grouped else None
 
-    def fake(dtype, shape, unit_last):
+    def fake(dtype, shape, unit_last, batched=key.batched):
         div = _ALIGN_BYTES * 8 // dtype.width
         s = cute.sym_int64(divisibility=div)
         stride = (s, 1) if unit_last else (1, s)
-        if batch is not None:  # torch order [L, rows, cols], any 16-byte-aligned batch stride
+        if batched:  # torch order [L, rows, cols], any 16-byte-aligned batch stride
             shape, stride = (batch, *shape), (cute.sym_int64(divisibility=div), *stride)
         return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
 
     a = fake(in_t, (m, k_a), key.a_major == "k")
     b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
-    b = fake(in_t, b_shape, key.b_contig == "last")
+    b = fake(in_t, b_shape, key.b_contig == "last", key.batched or key.grouped)
     c = fake(out_t, (m, n), not key.swap_ab)  # swapped: an M-major view of the output
     bias_len = m if key.swap_ab else n
     bias = make_fake_tensor(in_t, (bias_len,), stride=(1,), assumed_align=2) \
         if key.has_bias else None
+    if key.grouped:  # the groups' cumulative row ends take the bias's place
+        bias = make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4)
     return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
@@ -143,14 +150,18 @@ def kernel_module(gpu_arch: str):
 
 
 def build(key: KernelKey, extra_options: str = ""):
-    """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias, max_clusters)``.
+    """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias, max_clusters)``
+    (grouped: ``f(a, b, c, offs, max_clusters)``).
 
     `extra_options` passes DSL flags through, e.g. ``--keep-ptx --dump-dir=D`` for audits."""
     import cutlass.cute as cute
 
     import cutlass
 
-    kernel_class = kernel_module(key.arch).kernel_class(key.persistent, key.pingpong)
+    if key.grouped and family_of(key.arch) != "sm90":
+        raise ValueError(f"grouped kernels are sm90 only, not {key.arch}")
+    kernel_class = kernel_module(key.arch).kernel_class(key.persistent, key.pingpong,
+                                                        key.grouped)
     gemm = kernel_class(key.tile, key.cluster, key.stages, b_is_kn=key.b_form == "kn",
                         has_bias=key.has_bias, accumulate=key.accumulate, **_kernel_options(key))
     a, b, c, bias, stream = _make_fakes(key)

@@ -35,7 +35,7 @@ from .kernels.limits_common import config_label
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
-OPS = ("fwd", "dx", "dw", "bmm")
+OPS = ("fwd", "dx", "dw", "bmm", "grouped")
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
 # where an op has fp32 buckets they must cover every (M, N, K) as well.
@@ -43,10 +43,13 @@ REQUIRED_DTYPES = ("bf16", "fp16")
 # Ops of the fp32 tier's buckets: "fp32" buckets serve its full precision (split operands;
 # fp32 bmm at "ieee" runs entry by entry on fwd buckets), "tf32" buckets its TF32 precision
 # (fp32 operands read as TF32 by the tensor cores); dW runs full precision at either setting.
-FP32_OPS = ("fwd", "dx", "dw")
+FP32_OPS = ("fwd", "dx", "dw")  # fp32 grouped_mm runs one GEMM per group
 TF32_OPS = ("fwd", "dx", "bmm")  # fp32 bmm at "ieee" runs entry by entry on fwd buckets
 # Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.
 SWAP_OPS = ("fwd", "dx", "dw")
+# grouped buckets (grouped_mm's mixture-of-experts form in one launch; keyed by the rows per
+# group on average, N and K) run the persistent cooperative grouped kernel, which exists in
+# the families whose limits module sets GROUPED.
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
 LIMITS_MODULES = {"sm90": "kernels.sm90_limits", "sm80": "kernels.sm80_limits"}
 FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync)"}
@@ -346,6 +349,26 @@ def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "
                   f"swap_ab serves {', '.join(SWAP_OPS)}", label, "swap_ab")
+    if values["op"] == "grouped":
+        for field, msg in _grouped_problems(values, limits):
+            probs.add(key_lines.get(field, line), msg, label, field)
+
+
+def _grouped_problems(values, limits) -> list[tuple[str, str]]:
+    """What a grouped bucket's kernel needs beyond `check_config` (see the grouped kernel)."""
+    if not getattr(limits, "GROUPED", False):
+        return [("op", "this kernel family has no grouped kernel; grouped_mm runs one GEMM "
+                       "per group from the fwd/dx buckets")]
+    out = []
+    if values["persistent"] is not True or values["pingpong"] is not False:
+        out.append(("persistent", "the grouped kernel is persistent and cooperative: set "
+                                  "persistent: true (and no pingpong)"))
+    if values["cluster"][0] != 1:
+        out.append(("cluster", f"a grouped kernel's clusters share an M tile: cluster [1, CN], "
+                               f"got {list(values['cluster'])}"))
+    if values["tile"][0] < 64:
+        out.append(("tile", f"grouped tiles have BM >= 64, got {values['tile'][0]}"))
+    return out
 
 
 def _unknown_keys(raw, allowed, line, label, probs: _Problems):

@@ -66,7 +66,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.pipeline import pipeline_init_wait
 
-from .sm90_base import WG, Sm90Base
+from .sm90_base import GROUP_TABLE, WG, Sm90Base
 
 # Named barriers of the ping-pong turns, one per consumer at each stage (id + consumer);
 # 0 is __syncthreads and 1 the epilogue's (sm90_base).
@@ -83,7 +83,7 @@ class Sm90Gemm(Sm90Base):
     overlap with.
     """
 
-    def _schedule(self, mC, max_clusters):
+    def _schedule(self, mC, mOffs, max_clusters):
         """One CTA per output tile, the grid rounded up to whole clusters."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         cluster_mnl = (*self.cluster_shape_mn, 1)
@@ -95,7 +95,7 @@ class Sm90Gemm(Sm90Base):
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
-               mC_in: Optional[cute.Tensor],
+               mC_in: Optional[cute.Tensor], mOffs: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
@@ -127,9 +127,9 @@ class Sm90Gemm(Sm90Base):
         (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
-        tile = (tile_m, tile_n, tile_l)
-        tAgA_k, tBgB_k = self._tile_loads(src, mC_mn, tile)
-        gC = self._tile_c(mC_mn, tile)
+        place = self._place(mC_mn, None, (tile_m, tile_n, tile_l))
+        tAgA_k, tBgB_k = self._tile_loads(src, place)
+        gC = self._tile_c(mC_mn, place)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(wg_idx))
@@ -166,7 +166,7 @@ class Sm90Gemm(Sm90Base):
 
         if cutlass.const_expr(self.has_bias):
             # Coordinates need the per-thread slice (thr_mma above is per warpgroup).
-            self._add_bias(acc, tiled_mma.get_slice(tidx), mBias, mC_mn, tile)
+            self._add_bias(acc, tiled_mma.get_slice(tidx), mBias, mC_mn, place)
         c_pipeline, barrier = self._epilogue_sync()
         self._epilogue(acc, tiled_mma, tidx, warp_idx == 0, sC, gC, tma_atom_c, c_pipeline,
                        0, barrier)
@@ -189,10 +189,15 @@ class Sm90GemmPersistent(Sm90Base):
     load_registers = 40
     mma_registers = 232
 
-    def _schedule(self, mC, max_clusters):
+    def _schedule(self, mC, mOffs, max_clusters):
         """At most max_clusters clusters (the GPU's SMs), each walking its tiles."""
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         tiles_mnl = gc[(0, (None, None, None))].shape
+        if cutlass.const_expr(self.grouped):
+            # Row tiles of the groups (`_group_place`): at most rows // BM + one per group
+            # and one for the zero rows past the last group.
+            tiles_mnl = (cute.size(mC, mode=[0]) // self.tile_shape_mnk[0]
+                         + cute.size(mOffs) + 1, tiles_mnl[1], tiles_mnl[2])
         # Plain M-major tile order (N-major with `raster_n`): the DSL's swizzled order rounds
         # the M tiles up to a multiple of the swizzle and runs the padding tiles, which
         # measured 2x slower at M=512. Order only; no tile's arithmetic changes.
@@ -202,24 +207,65 @@ class Sm90GemmPersistent(Sm90Base):
         return grid, (sched,), {"min_blocks_per_mp": 1}
 
     @cute.jit
-    def _produce(self, sched_params, ab_pipeline, k_tiles, src, mC_mn, tAsA, a_mask, tBsB,
-                 b_mask):
+    def _produce(self, sched_params, ab_pipeline, k_tiles, src, mC_mn, groups, tAsA, a_mask,
+                 tBsB, b_mask):
         """The producer warp: walk the CTA's tiles (static schedule: tile t, t + grid, ...)
-        and stream each tile's k tiles 0, 1, 2, ... into the stage ring."""
+        and stream each tile's k tiles 0, 1, 2, ... into the stage ring (grouped: only
+        tiles that read, see `_group_place`)."""
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while work.is_valid_tile:
-            tAgA_k, tBgB_k = self._tile_loads(src, mC_mn, work.tile_idx)
-            prod.reset_count()
-            for _k in cutlass.range(k_tiles, unroll=1):
-                self._load_k_tile(ab_pipeline, prod, src.atom_a, tAgA_k, tAsA, a_mask,
-                                  src.atom_b, tBgB_k, tBsB, b_mask)
-                prod.advance()
+            place = self._place(mC_mn, groups, work.tile_idx)
+            if cutlass.const_expr(self.grouped):
+                if place.loads:
+                    prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA,
+                                              a_mask, tBsB, b_mask)
+            else:
+                prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA, a_mask,
+                                          tBsB, b_mask)
             sched.advance_to_next_work()
             work = sched.get_current_work()
         ab_pipeline.producer_tail(prod)
+
+    @cute.jit
+    def _produce_tile(self, ab_pipeline, prod, k_tiles, src, place, tAsA, a_mask, tBsB,
+                      b_mask):
+        """Stream the k tiles 0, 1, 2, ... of the tile at `place` into the stage ring."""
+        tAgA_k, tBgB_k = self._tile_loads(src, place)
+        prod.reset_count()
+        for _k in cutlass.range(k_tiles, unroll=1):
+            self._load_k_tile(ab_pipeline, prod, src.atom_a, tAgA_k, tAsA, a_mask,
+                              src.atom_b, tBgB_k, tBsB, b_mask)
+            prod.advance()
+        return prod
+
+    @cute.jit
+    def _grouped_tile(self, place, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB,
+                      k_tiles, thr_mma_thread, mma_tidx, store_warp, sC, mC_mn, mC,
+                      tma_atom_c, c_pipeline, buf_base, barrier):
+        """One scheduled tile of a grouped kernel (`_group_place`): nothing past the last
+        tile; zeros for rows past the last group; else the group's chain. A full tile is
+        stored by TMA, the one tile of a group shorter than BM row by row."""
+        if place.rows > 0:
+            acc.fill(0.0)
+            if place.loads:
+                read.reset_count()
+                release.reset_count()
+                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
+                                                  tCrA, tCrB, k_tiles, None)
+                ab_pipeline.consumer_release(release)
+                release.advance()
+            if place.rows == self.tile_shape_mnk[0]:
+                self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC,
+                               self._tile_c(mC_mn, place), tma_atom_c, c_pipeline, buf_base,
+                               barrier)
+            else:  # mC: the output itself (mC_mn holds TMA coordinates)
+                bn = self.tile_shape_mnk[1]
+                self._store_rows(acc, thr_mma_thread, self._tile_c(mC, place), place.rows,
+                                 cute.size(mC, mode=[1]) - place.n * bn - place.off_n)
+        return read, release
 
     @cute.jit
     def _turn_wait(self, consumer, stage: cutlass.Constexpr):
@@ -236,7 +282,7 @@ class Sm90GemmPersistent(Sm90Base):
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: cute.CopyAtom, mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
-               mC_in: Optional[cute.Tensor],
+               mC_in: Optional[cute.Tensor], mOffs: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
@@ -248,6 +294,11 @@ class Sm90GemmPersistent(Sm90Base):
         (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
+        groups = None
+        if cutlass.const_expr(self.grouped):
+            table = storage.group_first.get_tensor(cute.make_layout(GROUP_TABLE))
+            self._group_table(table, mOffs, cute.size(mC_mn, mode=[0]))
+            groups = (mOffs, table)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         consumer = wg_idx - self.producer_warpgroups
@@ -265,8 +316,8 @@ class Sm90GemmPersistent(Sm90Base):
         if wg_idx < self.producer_warpgroups:
             cute.arch.setmaxregister_decrease(self.load_registers)
         if warp_idx == 0:
-            self._produce(sched_params, ab_pipeline, k_tiles, src, mC_mn, tAsA, a_mask, tBsB,
-                          b_mask)
+            self._produce(sched_params, ab_pipeline, k_tiles, src, mC_mn, groups, tAsA, a_mask,
+                          tBsB, b_mask)
 
         if wg_idx >= self.producer_warpgroups:
             cute.arch.setmaxregister_increase(self.mma_registers)
@@ -291,48 +342,59 @@ class Sm90GemmPersistent(Sm90Base):
                     release.advance(k_tiles)
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
+            if cutlass.const_expr(self.grouped):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             while work.is_valid_tile:
                 tile = work.tile_idx
-                read.reset_count()
-                release.reset_count()
-                self._init_acc(acc, thr_mma_thread, mC_in, *tile)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                if cutlass.const_expr(self.chunked):
-                    read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
-                                                     tCrA, tCrB, k_tiles, None)
-                else:
-                    if cutlass.const_expr(self.pingpong):
-                        self._turn_wait(consumer, _MMA_TURN)
-                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
-                                                      acc, tCrA, tCrB, k_tiles, None,
-                                                      drain=not self.pingpong)
-                    if cutlass.const_expr(self.pingpong):
-                        self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
-                        cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(release)
-                    release.advance()
-
-                if cutlass.const_expr(self.has_bias):
-                    self._add_bias(acc, thr_mma_thread, mBias, mC_mn, tile)
-                gC = self._tile_c(mC_mn, tile)
-                if cutlass.const_expr(self.pingpong):
-                    # The consumers share the epilogue buffer: each stores in its turn, from
-                    # buffer 0, and hands over once its stores have left shared memory.
-                    self._turn_wait(consumer, _EPI_TURN)
-                    self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
-                                   c_pipeline, 0, barrier)
-                    if store_warp:
-                        c_pipeline.producer_tail()
-                    self._turn_pass(1 - consumer, _EPI_TURN)
-                    # Skip the other consumer's next tile and its stages.
-                    read.advance(k_tiles)
-                    release.advance(k_tiles)
-                    sched.advance_to_next_work(advance_count=2)
-                else:
-                    self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
-                                   c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
-                                   barrier)
+                if cutlass.const_expr(self.grouped):
+                    read, release = self._grouped_tile(
+                        self._place(mC_mn, groups, tile), ab_pipeline, read, release,
+                        tiled_mma, acc, tCrA, tCrB, k_tiles,
+                        thr_mma_thread, mma_tidx, store_warp, sC, mC_mn, mC_in, tma_atom_c,
+                        c_pipeline, sched.num_tiles_executed * self._epi_tiles(), barrier)
                     sched.advance_to_next_work()
+                else:
+                    read.reset_count()
+                    release.reset_count()
+                    self._init_acc(acc, thr_mma_thread, mC_in, *tile)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    if cutlass.const_expr(self.chunked):
+                        read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+                                                         tCrA, tCrB, k_tiles, None)
+                    else:
+                        if cutlass.const_expr(self.pingpong):
+                            self._turn_wait(consumer, _MMA_TURN)
+                        read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
+                                                          acc, tCrA, tCrB, k_tiles, None,
+                                                          drain=not self.pingpong)
+                        if cutlass.const_expr(self.pingpong):
+                            self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
+                            cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release)
+                        release.advance()
+
+                    place = self._place(mC_mn, groups, tile)
+                    if cutlass.const_expr(self.has_bias):
+                        self._add_bias(acc, thr_mma_thread, mBias, mC_mn, place)
+                    gC = self._tile_c(mC_mn, place)
+                    if cutlass.const_expr(self.pingpong):
+                        # The consumers share the epilogue buffer: each stores in its turn, from
+                        # buffer 0, and hands over once its stores have left shared memory.
+                        self._turn_wait(consumer, _EPI_TURN)
+                        self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
+                                       c_pipeline, 0, barrier)
+                        if store_warp:
+                            c_pipeline.producer_tail()
+                        self._turn_pass(1 - consumer, _EPI_TURN)
+                        # Skip the other consumer's next tile and its stages.
+                        read.advance(k_tiles)
+                        release.advance(k_tiles)
+                        sched.advance_to_next_work(advance_count=2)
+                    else:
+                        self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC, gC, tma_atom_c,
+                                       c_pipeline, sched.num_tiles_executed * self._epi_tiles(),
+                                       barrier)
+                        sched.advance_to_next_work()
                 work = sched.get_current_work()
             if cutlass.const_expr(not self.pingpong):
                 if store_warp:
@@ -357,7 +419,35 @@ class Sm90GemmPingpong(Sm90GemmPersistent):
     pingpong = True
 
 
-def kernel_class(persistent: bool, pingpong: bool = False):
+class Sm90GemmGrouped(Sm90GemmPersistent):
+    """Grouped GEMM (mixture of experts) in one launch: ``C[rows of group g] = A[rows of
+    group g] @ B[g]^T`` for row groups given by their int32 cumulative ends ``offs`` (a
+    device tensor, never read on the host, so a call can be captured in a CUDA graph).
+
+    The persistent kernel of `Sm90GemmPersistent` (cooperative: no ping-pong) over a tile
+    grid whose M tiles are the groups' own row tiles (`Sm90Base._group_place`): a tile never
+    spans two groups, and each of its rows is the chain of that row alone (ascending 16-wide
+    WGMMA steps onto fp32 accumulators from +0.0, one rounding) with its group's weight: a
+    token's bits do not depend on how many tokens its group received, nor on the others.
+    Rows past the last group are stored as zeros. The grid has rows // BM + groups + 1 M
+    tiles (an upper bound); scheduled tiles past the last one store nothing. A has its rows
+    K-major, C is row-major, B is [G, N, K] or [G, K, N] (L mode = group); clusters multicast
+    A only (cluster [1, CN]: the CTAs of a cluster share an M tile, so a group)."""
+
+    grouped = True
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
+                 mOffs: cute.Tensor, max_clusters: cutlass.Int32, stream):
+        self._launch(mA, mB_in, mC, None, mOffs, max_clusters, stream)
+
+
+def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False):
+    if grouped:
+        if not persistent or pingpong:
+            raise ValueError("the grouped kernel is persistent and cooperative: grouped needs "
+                             "persistent and no pingpong")
+        return Sm90GemmGrouped
     if pingpong:
         if not persistent:
             raise ValueError("the ping-pong kernel is persistent: pingpong needs persistent")

@@ -21,6 +21,7 @@ from .operands import as_tf32, b_as_nk, with_batch_mode
 from .tf32_mma import make_tf32_tiled_mma
 
 WG = 128  # threads per warpgroup
+GROUP_TABLE = sm90_limits.GROUPED_MAX_GROUPS + 2  # grouped: first tile of each group, + 2
 EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
 
 
@@ -37,6 +38,21 @@ class TmaSources(NamedTuple):
     cluster_coord: Any
 
 
+class TilePlace(NamedTuple):
+    """Where one output tile lies (device values, `Sm90Base._place`): its indices into the
+    tile grids of A/C and B after they were moved by (off_m, off_n) elements, the batch
+    entries it reads, and how many of its rows it stores."""
+
+    m: Any  # tile index along M (of the grid moved by off_m)
+    n: Any  # tile index along N (of the grid moved by off_n)
+    l_c: Any  # batch entry of A and C
+    l_b: Any  # batch entry of B (grouped: the group's weight)
+    off_m: Any
+    off_n: Any
+    rows: Any  # rows stored: BM; grouped: fewer for a small group (predicated), 0 for none
+    loads: Any  # whether the tile reads A and B (grouped: not for the zero rows past the groups)
+
+
 class Sm90Base:
     """Host-side setup and device helpers shared by both SM90 kernels.
 
@@ -46,6 +62,7 @@ class Sm90Base:
 
     producer_warpgroups = 0
     pingpong = False  # two consumer warpgroups on alternate tiles (Sm90GemmPingpong)
+    grouped = False  # row groups with their own B (Sm90GemmGrouped)
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
@@ -88,6 +105,14 @@ class Sm90Base:
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
                  mBias: Optional[cute.Tensor], max_clusters: cutlass.Int32, stream):
+        self._launch(mA, mB_in, mC, mBias, None, max_clusters, stream)
+
+    @cute.jit
+    def _launch(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
+                mBias: Optional[cute.Tensor], mOffs: Optional[cute.Tensor],
+                max_clusters: cutlass.Int32, stream):
+        """Set up layouts, TMA atoms and shared storage for these tensors, then launch.
+        `mOffs` (grouped kernels only): the int32 cumulative row ends of the groups."""
         # Rank 2: one GEMM; rank 3: a batch in torch order [L, rows, cols], one launch.
         mA, mB, mC = with_batch_mode(mA), b_as_nk(with_batch_mode(mB_in), self.b_is_kn), \
             with_batch_mode(mC)
@@ -147,24 +172,28 @@ class Sm90Base:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(epi_store, (None, None, 0)), self.store_tile)
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], self.buffer_align_bytes]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], self.buffer_align_bytes]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem)], self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
-        grid, extra_args, extra_launch = self._schedule(mC, max_clusters)
-        mC_in = mC if cutlass.const_expr(self.accumulate) else None
+        self.shared_storage = self._shared_storage(a_smem, b_smem, epi_smem)
+        grid, extra_args, extra_launch = self._schedule(mC, mOffs, max_clusters)
+        # C's values (dW +=), or where a grouped kernel stores a partial tile row by row.
+        mC_in = mC if cutlass.const_expr(self.accumulate or self.grouped) else None
         self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, mBias, mC_in,
+                    mOffs,
                     self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, *extra_args,
                     ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
                              cluster=(*self.cluster_shape_mn, 1), stream=stream,
                              **extra_launch)
+
+    def _shared_storage(self, a_smem, b_smem, epi_smem):
+        """The CTA's shared memory: stage barriers (grouped: and the groups' first-tile
+        table, in the same first KiB), then the A and B stages and the epilogue buffer."""
+        fields = {"barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]}
+        if self.grouped:
+            fields["group_first"] = cute.struct.MemRange[cutlass.Int32, GROUP_TABLE]
+        for name, dtype, layout in (("sA", self.a_dtype, a_smem), ("sB", self.b_dtype, b_smem),
+                                    ("sC", self.c_dtype, epi_smem)):
+            fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)],
+                                             self.buffer_align_bytes]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _row_major_a_smem(self, rows):
         """K-major A stages with the 8-row swizzle atoms ordered K first, rows outermost:
@@ -281,20 +310,97 @@ class Sm90Base:
                 self._tail_offset(tile[1], cute.size(mC_mn, mode=[1]), bn, self.tail_align[1]))
 
     @cute.jit
-    def _tile_loads(self, src, mC_mn, tile):
-        """The TMA sources of one output tile (m, n, l): A's and B's k tiles, in order."""
+    def _place(self, mC_mn, groups, tile):
+        """The `TilePlace` of scheduled tile `tile` (m, n, l): moved as `_tail_offsets`
+        says, or, in a grouped kernel (`groups`: the offs tensor and the table that
+        `_group_table` filled), found among the groups (`_group_place`)."""
+        if cutlass.const_expr(self.grouped):
+            return self._group_place(mC_mn, groups, tile)
         off_m, off_n = self._tail_offsets(mC_mn, tile)
-        _, tAgA, _, tBgB = self._partition_loads(src, off_m, off_n)
-        return tAgA[(None, tile[0], None, tile[2])], tBgB[(None, tile[1], None, tile[2])]
+        return TilePlace(tile[0], tile[1], tile[2], tile[2], off_m, off_n,
+                         self.tile_shape_mnk[0], True)
 
     @cute.jit
-    def _tile_c(self, mC_mn, tile):
-        """The output tile (m, n, l) of C, moved like its loads (`_tail_offsets`)."""
-        off_m, off_n = self._tail_offsets(mC_mn, tile)
+    def _group_rows(self, mOffs, total, g):
+        """(start, end) rows of group g; g == len(offs) is the rows past the last group.
+        Each bound is clamped into [0, total], so no offs moves a tile out of C."""
+        groups = cute.size(mOffs)
+        start = cutlass.Int32(0)
+        end = total
+        if g > 0:
+            start = cutlass.min(cutlass.max(mOffs[g - 1], 0), total)
+        if g < groups:
+            end = cutlass.min(cutlass.max(mOffs[g], 0), total)
+        return start, cutlass.max(end, start)
+
+    @cute.jit
+    def _group_table(self, table, mOffs, total):
+        """Fill the shared table of the groups' first tiles (all threads, once per CTA):
+        group g (g == len(offs): the rows past the last group) has ceil(rows / BM) tiles,
+        and table[g] is the number of tiles of the groups before it."""
+        bm = self.tile_shape_mnk[0]
+        groups = cute.size(mOffs)
+        tidx, _, _ = cute.arch.thread_idx()
+        for g in cutlass.range(tidx, groups + 1, self.threads_per_cta, unroll=1):
+            start, end = self._group_rows(mOffs, total, g)
+            table[g + 1] = (end - start + bm - 1) // bm
+        cute.arch.sync_threads()
+        if tidx == 0:
+            table[0] = 0
+            for g in cutlass.range(groups + 1, unroll=4):
+                table[g + 1] = table[g + 1] + table[g]
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _group_place(self, mC_mn, groups, tile):
+        """Grouped kernels: scheduled M tile j is the j-th of the groups' own row tiles, in
+        group order (`_group_table`; a binary search for the last group whose first tile
+        is <= j). A tile starts at its group's start + i * BM; the last tile of a group of
+        at least BM rows moves back to end at the group's end (its first rows are also
+        computed by the tile before it, with the same chain and the same weight: the same
+        bits); a group shorter than BM has one tile whose rows past the group are computed
+        but not stored. The rows past the last group form one more group that reads
+        nothing and stores zeros. Tiles past the last one store nothing."""
+        mOffs, table = groups
         bm, bn, _ = self.tile_shape_mnk
-        gC = cute.local_tile(cute.domain_offset((off_m, off_n, 0), mC_mn), (bm, bn),
-                             (None, None, None))  # (BM, BN, tm, tn, L)
-        return gC[(None, None, *tile)]
+        total = cute.size(mC_mn, mode=[0])
+        count = cute.size(mOffs)
+        j = tile[0]
+        lo = cutlass.Int32(0)
+        hi = count + 1
+        for _ in cutlass.range_constexpr(GROUP_TABLE.bit_length()):
+            mid = (lo + hi) // 2
+            if hi - lo > 1:
+                if table[mid] <= j:
+                    lo = mid
+                else:
+                    hi = mid
+        start, end = self._group_rows(mOffs, total, lo)
+        rows = end - start
+        row0 = start + (j - table[lo]) * bm
+        if rows >= bm:
+            row0 = cutlass.min(row0, end - bm)
+        stored = cutlass.min(rows, bm)
+        if j >= table[count + 1]:
+            stored = 0
+        off_n = self._tail_offset(tile[1], cute.size(mC_mn, mode=[1]), bn, self.tail_align[1])
+        return TilePlace(0, tile[1], 0, cutlass.min(lo, count - 1), row0, off_n, stored,
+                         lo < count)
+
+    @cute.jit
+    def _tile_loads(self, src, place):
+        """The TMA sources of one output tile (a `TilePlace`): A's and B's k tiles, in order."""
+        _, tAgA, _, tBgB = self._partition_loads(src, place.off_m, place.off_n)
+        return (tAgA[(None, place.m, None, place.l_c)],
+                tBgB[(None, place.n, None, place.l_b)])
+
+    @cute.jit
+    def _tile_c(self, mC_mn, place):
+        """The output tile of C at `place`, moved like its loads."""
+        bm, bn, _ = self.tile_shape_mnk
+        gC = cute.local_tile(cute.domain_offset((place.off_m, place.off_n, 0), mC_mn),
+                             (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
+        return gC[(None, None, place.m, place.n, place.l_c)]
 
     @cute.jit
     def _zero_row_tile_padding(self, storage):
@@ -424,15 +530,14 @@ class Sm90Base:
                         acc[i] = tCgC[i]
 
     @cute.jit
-    def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, tile):
+    def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, place):
         """acc += float32(bias[n]) (or bias[m], `bias_on_rows`), one IEEE fp32 add per
-        element, before the rounding; `tile` (m, n, l) is moved as its loads are."""
+        element, before the rounding; `place` is the tile's `TilePlace`."""
         mode = 0 if cutlass.const_expr(self.bias_on_rows) else 1
         total = cute.size(mC_mn, mode=[mode])
         bm, bn, _ = self.tile_shape_mnk
-        off_m, off_n = self._tail_offsets(mC_mn, tile)
-        start = (tile[0] * bm + off_m) if cutlass.const_expr(self.bias_on_rows) \
-            else (tile[1] * bn + off_n)
+        start = (place.m * bm + place.off_m) if cutlass.const_expr(self.bias_on_rows) \
+            else (place.n * bn + place.off_n)
         # Coordinates of this thread's fragment in the tile.
         tCcC = thr_mma_thread.partition_C(cute.make_identity_tensor((self.mma_m, bn)))
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -481,6 +586,19 @@ class Sm90Base:
                 c_pipeline.producer_commit()
                 c_pipeline.producer_acquire()
             barrier.arrive_and_wait()
+
+    @cute.jit
+    def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):
+        """Round once to the output dtype and store this thread's elements of the first
+        `rows` rows and `cols` columns of tile gC straight from the accumulators (a grouped
+        tile of a group shorter than BM: a TMA box cannot stop at the group's end)."""
+        tCgC = thr_mma_thread.partition_C(gC)
+        tCcC = thr_mma_thread.partition_C(
+            cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1])))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tCcC[i][0] < rows:
+                if tCcC[i][1] < cols:
+                    tCgC[i] = acc[i].to(self.c_dtype)  # the single rounding
 
     def _epilogue_sync(self):
         """The TMA-store pipeline and named barrier of one tile's epilogue threads."""

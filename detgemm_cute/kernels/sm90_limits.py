@@ -46,6 +46,13 @@ IN_BYTES = 2  # bf16 / fp16 operands
 EPI_BYTES_PER_ROWCOL = 8  # 4 stages of 16-bit output or 2 stages of fp32: same smem
 
 
+GROUPED = True  # the grouped (mixture-of-experts) kernel exists in this family
+# Grouped kernels keep each group's first tile index in shared memory (groups + 2 int32, the
+# rows past the last group counted as one more group), next to the stage barriers (at most
+# 16 stages x 16 bytes) in the 1 KiB before the 1024-byte-aligned A stages.
+GROUPED_MAX_GROUPS = (BARRIER_BYTES - STAGES[1] * 16) // 4 - 2
+
+
 def epi_stages(out_bytes: int) -> int:
     """Epilogue staging buffers: a fixed byte budget, so fp32 outputs get half the stages."""
     return EPI_BYTES_PER_ROWCOL // out_bytes

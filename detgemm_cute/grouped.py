@@ -1,0 +1,112 @@
+"""The one-launch grouped GEMM (grouped_mm's mixture-of-experts form) on SM90.
+
+``out[rows of group g] = x[rows of group g] @ w[g]`` for x [T, K] with its rows sorted by
+group, w [G, K, N] and offs [G] (int32 cumulative row ends, on the device). The grouped
+kernel (`kernels.sm90.Sm90GemmGrouped`) reads offs on the device and walks the groups' own
+row tiles, so the whole call is one launch that a CUDA graph can capture. Every row is the
+chain of that row alone with its group's weight: its bits equal `dg.mm` of that row and
+weight, whatever the other groups hold. Rows past offs[-1] are zeros.
+
+The bucket comes from the table's ``op: grouped`` buckets, keyed by the rows per group on
+average (ceil(T / G)), N and K. Layouts taken without copies: x K-major, w with N or K
+contiguous (16-byte-aligned strides); anything else is copied once into a K-major buffer
+(K zero-padded to a multiple of 8: exact zero products, the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compile as kcompile
+from . import dispatch, registry
+from .batched import _inner_unit
+from .gemm import _ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, stage_k_major
+from .kernels.sm90_limits import GROUPED_MAX_GROUPS
+
+_plans: dict = {}
+
+
+class _Plan:
+    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters")
+
+    def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters):
+        self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
+        self.pad_cols, self.max_clusters = pad_cols, max_clusters
+
+
+def _bucket(x, w, out_dtype):
+    """The grouped bucket for this call, or None when it runs one GEMM per group (another
+    kernel family, fp32 inputs, more groups than the kernel's table holds, a forced
+    bucket that is not a grouped one)."""
+    if (x.dtype not in (torch.bfloat16, torch.float16)
+            or not 0 < w.shape[0] <= GROUPED_MAX_GROUPS):
+        return None
+    arch = arch_of(x.device)
+    if arch != "sm90":
+        return None
+    if _forced.name:
+        b = dispatch.bucket_by_name(arch, _forced.name)
+        return b if b.op == "grouped" else None
+    t, k = x.shape
+    groups, _, n = w.shape
+    return dispatch.lookup("grouped", _NAMES[x.dtype], arch, max(1, -(-t // groups)), n, k)
+
+
+def _make_plan(bucket, x, w, out_dtype):
+    a_unit = "last" if _inner_unit(x.unsqueeze(0)) == "last" else None
+    b_unit = _inner_unit(w)
+    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
+    n = w.shape[2]
+    b_form, b_contig = ("nk", "last") if b_unit is None else ("kn", b_unit)
+    key = kcompile.KernelKey.for_bucket(
+        bucket, dtype=_NAMES[x.dtype], out_dtype=_NAMES[out_dtype], a_major="k",
+        b_form=b_form, b_contig=b_contig, has_bias=False, grouped=True,
+        arch=_gpu_arch("sm90", x.device))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    return _Plan(kcompile.get(key), a_unit is None, b_unit is None,
+                 -(-n // el) * el if n % el else 0, max_clusters)
+
+
+def _key(x, w, out_dtype):
+    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, x.device, out_dtype,
+            not x.data_ptr() & 15, not w.data_ptr() & 15, _forced.name, _forced.family)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor | None:
+    """out [T, N] in one launch (checked inputs on a CUDA device, K and N >= 1), or None
+    when this call runs one GEMM per group (see `_bucket`)."""
+    key = _key(x, w, out_dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        bucket = _bucket(x, w, out_dtype)
+        if bucket is None:
+            return None
+        plan = _make_plan(bucket, x, w, out_dtype)
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    if plan.stage_a:
+        x = stage_k_major(x, True)
+    if plan.stage_b:
+        w = stage_k_major(w, False)  # [G, N, Kp]: the "nk" form
+    t, n = x.shape[0], w.shape[1] if plan.stage_b else w.shape[2]
+    if plan.pad_cols:
+        out = torch.empty((t, plan.pad_cols), dtype=out_dtype, device=x.device)[:, :n]
+    else:
+        out = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    if t:
+        offs = offs if offs.stride(0) == 1 else offs.contiguous()
+        dev = x.device.index
+        if dev is not None and dev != _current_device():
+            with torch.cuda.device(dev):
+                plan.fn(x, w, out, offs, plan.max_clusters)
+        else:
+            plan.fn(x, w, out, offs, plan.max_clusters)
+    return out.contiguous() if plan.pad_cols else out
+
+
+registry.on_change(_plans.clear)
+
+__all__ = ["grouped_mm"]

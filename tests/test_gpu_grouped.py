@@ -1,0 +1,136 @@
+"""The one-launch grouped GEMM (grouped_mm's mixture-of-experts form on SM90).
+
+- every grouped bucket, forced: each group's rows have the bits of `dg.mm` on those rows
+  and that group's weight alone (a 2-D GEMM from another table and tile), for groups empty,
+  shorter than a tile, exactly a tile, a tile and a row, and many tiles; rows past the last
+  group are +0.0; weights with K or N contiguous or staged (K not a multiple of 8); odd N;
+  fp32 output; outputs land in NaN-poisoned memory;
+- a token's row does not depend on how many tokens its group received;
+- the call is one launch that a CUDA graph captures, and a replay after offs changed in
+  place gives the new grouping's bits (offs is read on the device).
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import gemm, registry  # noqa: E402
+from gpu_helpers import poison, rand, same_bits  # noqa: E402
+
+if gemm.arch_of(torch.device("cuda")) != "sm90":
+    pytest.skip("the grouped kernel is SM90's", allow_module_level=True)
+
+
+def _buckets():
+    return sorted(b.name for b in registry.get_registry("sm90").buckets if b.op == "grouped")
+
+
+def _offs(sizes):
+    return torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+
+
+def _weights(experts, k, n, layout, dtype=torch.bfloat16):
+    """[G, K, N] with N contiguous ("n"), K contiguous ("k": nn.Linear's storage)."""
+    if layout == "n":
+        return rand(experts, k, n, dtype=dtype)
+    return rand(experts, n, k, dtype=dtype).transpose(1, 2)
+
+
+def _assert_groups(y, x, w, sizes, out_dtype=None):
+    start = 0
+    for g, size in enumerate(sizes):
+        if size:
+            want = dg.mm(x[start:start + size], w[g], out_dtype=out_dtype)
+            assert same_bits(y[start:start + size], want), (sizes, g)
+        start += size
+    assert not y[start:].isnan().any() and not y[start:].any(), "rows past the last group"
+
+
+def _sizes(bm):
+    """Group sizes that cut a BM-row tile every way: empty, short, exact, one over, many."""
+    return [0, 1, bm - 1, bm, bm + 1, 0, 3 * bm + 17, 5, 2 * bm]
+
+
+@pytest.mark.parametrize("name", _buckets())
+@pytest.mark.parametrize("layout", ["k", "n"])
+def test_every_grouped_bucket_matches_mm(name, layout):
+    bm = registry.get_registry("sm90").bucket(name).tile[0]
+    sizes = _sizes(bm)
+    k, n = 320, 392  # N: not a multiple of BN; the last tile moves back
+    x = rand(sum(sizes) + 7, k)  # 7 rows past the last group
+    w = _weights(len(sizes), k, n, layout)
+    with dg.force_bucket(name):
+        poison()
+        y = dg.grouped_mm(x, w, _offs(sizes))
+        _assert_groups(y, x, w, sizes)
+        poison()
+        y32 = dg.grouped_mm(x, w, _offs(sizes), out_dtype=torch.float32)
+        _assert_groups(y32, x, w, sizes, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("k,n", [(100, 300), (64, 8), (4096, 2048)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_layouts_and_sizes(k, n, dtype):
+    """K not a multiple of 8 (weights and x staged), N with unaligned rows (padded output),
+    a narrow N, a wide K; both 16-bit dtypes, both weight layouts."""
+    sizes = [37, 0, 200, 129, 1, 64]
+    x = rand(sum(sizes), k, dtype=dtype)
+    for layout in ("k", "n"):
+        w = _weights(len(sizes), k, n, layout, dtype)
+        poison()
+        _assert_groups(dg.grouped_mm(x, w, _offs(sizes)), x, w, sizes)
+
+
+def test_token_row_does_not_depend_on_its_group_size():
+    experts, k, n = 8, 1024, 768
+    w = _weights(experts, k, n, "k")
+    x = rand(3000, k)
+    probe = x[:1]
+    want = [dg.mm(probe, w[g]) for g in range(experts)]
+    for sizes in ([375] * 8, [1, 2999, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 3000],
+                  [129, 64, 1000, 7, 800, 0, 1000, 0]):
+        g0 = next(g for g, s in enumerate(sizes) if s)
+        poison()
+        y = dg.grouped_mm(x, w, _offs(sizes))
+        assert same_bits(y[:1], want[g0]), sizes
+
+
+def test_grouped_is_captured_and_reads_offs_on_the_device():
+    experts, k, n = 6, 512, 640
+    w = _weights(experts, k, n, "k")
+    x = rand(900, k)
+    first, second = [100, 0, 300, 50, 250, 150], [1, 600, 0, 99, 0, 190]
+    offs = _offs(first)
+    dg.grouped_mm(x, w, offs)  # compile outside the capture
+    out = torch.empty(900, n, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(dg.grouped_mm(x, w, offs))
+    for sizes in (first, second):
+        offs.copy_(_offs(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_groups(out, x, w, sizes)
+
+
+def test_grouped_backward_in_one_launch_forms():
+    """Autograd through the one-launch forward: dX is the grouped form against w^T (one
+    launch too), dW per expert."""
+    sizes = [10, 0, 130, 48]
+    x = rand(188, 256).requires_grad_()
+    w = _weights(4, 256, 192, "k").detach().requires_grad_()
+    g = rand(188, 192)
+    dg.grouped_mm(x, w, _offs(sizes)).backward(g)
+    start = 0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        if size:
+            assert same_bits(x.grad[rows], dg.mm(g[rows], w[e].detach().t()))
+            assert same_bits(w.grad[e], dg.mm(x.detach()[rows].t(), g[rows]))
+        start += size
