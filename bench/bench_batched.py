@@ -4,20 +4,22 @@
    64/128, sequence 1..4096, odd lengths) and the batched shapes of issue 15: `dg.bmm` (one
    launch) vs `torch.bmm` (cuBLAS), CUDA-graph timed, medians, fresh inputs per set;
    bits of detgemm's entry 0 vs `dg.mm` on that entry.
-2. A mixture-of-experts layer (8 experts, top-2, hidden 4096, ffn 14336): `dg.grouped_mm` vs
-   `torch._grouped_mm` and a per-expert `torch.mm` loop, eager-timed (detgemm reads the group
-   offsets on the host, so it is not graph-captured; its peers are timed the same way).
+2. A mixture-of-experts layer (8 experts, top-2, hidden 4096, ffn 14336): `dg.grouped_mm` (one
+   launch) vs `torch._grouped_mm` and a per-expert `torch.mm` loop, CUDA-graph timed, and
+   detgemm and torch._grouped_mm eager as well, with detgemm's one-GEMM-per-group path (the
+   one before the grouped kernel, kept for calls that kernel does not take) in the same run.
 3. A Llama-architecture model (bench/llama_model.py; hidden 2048, 4 layers, 16 heads / 4 KV
    heads, eager attention, bf16): eager forward of 16 x 128 tokens and one AdamW training
    step, inside `batch_invariant_mode()` vs without; logits of sequence 0 alone vs in
    batches of 2, 8 and 31 inside the mode.
 
-    python bench/bench_batched.py --out bench/results [--quick]
+    python bench/bench_batched.py --out bench/results [--quick] [--parts moe --tag T]
 
 Writes gemm-style markdown + JSON (+ a plot when matplotlib is installed), device named.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import grouped  # noqa: E402
 from detgemm_cute.benchlib import gpu  # noqa: E402
 from detgemm_cute.benchlib.timing import (QUICK_PLAN, eager_median_us, n_sets_for,  # noqa: E402
                                            time_units)
@@ -101,26 +104,41 @@ def moe_offsets(tokens, experts, topk, gen):
     return counts.cumsum(0).to(torch.int32).cuda(), counts.tolist()
 
 
+@contextlib.contextmanager
+def one_gemm_per_group():
+    """grouped_mm as it ran before the one-launch kernel: one GEMM per group (the library's
+    path for calls the grouped kernel does not take), for a same-run comparison."""
+    saved = grouped.grouped_mm
+    grouped.grouped_mm = lambda *args: None
+    try:
+        yield
+    finally:
+        grouped.grouped_mm = saved
+
+
 def eager_us(fn, reps=15):
     return eager_median_us(fn, reps, warmup=3)
 
 
-def run_moe(token_counts, log):
+def run_moe(token_counts, cap_stream, log):
+    """Each projection of the layer: detgemm (one launch), torch._grouped_mm and a
+    per-expert torch.mm loop on the same tensors, CUDA-graph timed (`time_units`), and
+    detgemm and torch._grouped_mm eager as well (detgemm's eager call checks offs on the
+    host: one device sync)."""
     experts, topk, hidden, ffn = 8, 2, 4096, 14336
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
         offs, counts = moe_offsets(tokens, experts, topk, gen)
+        ends = torch.tensor(counts).cumsum(0).tolist()
         for name, k, n in (("up", hidden, ffn), ("down", ffn, hidden)):
             x = torch.randn(tokens * topk, k, device="cuda", dtype=BF16)
-            w = torch.randn(experts, k, n, device="cuda", dtype=BF16).mul_(k ** -0.5)
             # K contiguous per expert ([G, N, K] storage, like nn.Linear weights): the layout
             # torch._grouped_mm wants; every peer gets the same tensor
-            w = w.transpose(1, 2).contiguous().transpose(1, 2)
-            wt = w
-            ends = torch.tensor(counts).cumsum(0).tolist()
+            w = torch.randn(experts, n, k, device="cuda", dtype=BF16).mul_(k ** -0.5)
+            w = w.transpose(1, 2)
 
-            def loop():
+            def loop(_s):
                 start = 0
                 out = torch.empty(x.shape[0], n, device="cuda", dtype=BF16)
                 for g, end in enumerate(ends):
@@ -129,28 +147,39 @@ def run_moe(token_counts, log):
                     start = end
                 return out
 
-            peers = {"detgemm": lambda: dg.grouped_mm(x, w, offs), "torch_loop": loop}
+            peers = {"detgemm": lambda _s: dg.grouped_mm(x, w, offs), "torch_loop": loop}
             try:
-                torch._grouped_mm(x, wt, offs)
-                peers["torch_grouped_mm"] = lambda: torch._grouped_mm(x, wt, offs)
+                torch._grouped_mm(x, w, offs)
+                peers["torch_grouped_mm"] = lambda _s: torch._grouped_mm(x, w, offs)
             except Exception as e:  # noqa: BLE001
                 log(f"torch._grouped_mm unavailable: {str(e).splitlines()[0][:120]}")
-            t = {p: eager_us(fn) for p, fn in peers.items()}
+            res = time_units(peers, [None], QUICK_PLAN, cap_stream)
+            t = {p: r.get("us") for p, r in res.items()}
+            eager = {p: eager_us(lambda p=p: peers[p](None))
+                     for p in ("detgemm", "torch_grouped_mm") if p in peers}
+            with one_gemm_per_group():  # the path before the grouped kernel, same tensors
+                eager["detgemm_per_group"] = eager_us(lambda: dg.grouped_mm(x, w, offs))
             y = dg.grouped_mm(x, w, offs)
             g0 = counts.index(max(counts))
             s0 = ([0] + ends)[g0]
             inv = bool(torch.equal(y[s0:s0 + 1].view(torch.int16),
                                    dg.mm(x[s0:s0 + 1], w[g0]).view(torch.int16)))
-            best_torch = min(v for p, v in t.items() if p != "detgemm")
+            best_torch = min(v for p, v in t.items() if p != "detgemm" and v)
             row = {"tokens": tokens, "rows": tokens * topk, "gemm": name, "K": k, "N": n,
                    **{f"{p}_us": v for p, v in t.items()},
+                   **{f"{p}_eager_us": v for p, v in eager.items()},
                    "speed_vs_best_torch": best_torch / t["detgemm"],
                    "row_alone_bits_equal": inv}
+            if "torch_grouped_mm" in eager:
+                row["eager_speed_vs_torch_grouped_mm"] = (eager["torch_grouped_mm"]
+                                                          / eager["detgemm"])
             log(f"moe {tokens} tokens {name}: " + ", ".join(f"{p} {v:.1f} us" for p, v in
                                                              t.items())
-                + f"; {row['speed_vs_best_torch']:.2f}x; token alone == in group: {inv}")
+                + f"; {row['speed_vs_best_torch']:.2f}x; eager " + ", ".join(
+                    f"{p} {v:.1f} us" for p, v in eager.items())
+                + f"; token alone == in group: {inv}")
             rows.append(row)
-            del x, w, wt
+            del x, w
     return rows
 
 
@@ -228,15 +257,27 @@ def render(meta, bmm_rows, moe_rows, model):
                          f"{r['entry_bits_equal_mm']} |")
         lines.append("")
     if moe_rows:
-        lines += ["## Mixture-of-experts grouped GEMM (8 experts, top-2; eager, medians)", "",
+        sp = [r["speed_vs_best_torch"] for r in moe_rows]
+        lines += ["## Mixture-of-experts grouped GEMM (8 experts, top-2, hidden 4096, ffn 14336)",
+                  "", "CUDA graphs, medians; `eager`: medians of eager calls (detgemm's checks "
+                  "offs on the host: one device sync per call). "
+                  f"Geomean speed vs the better torch (graphs): {geomean(sp):.3f}x, worst "
+                  f"{min(sp):.2f}x.", "",
                   "| tokens | rows | GEMM | K | N | detgemm us | torch._grouped_mm us | "
-                  "torch mm loop us | speed vs best torch | token alone == in group |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "torch mm loop us | speed vs best torch | eager detgemm us | "
+                  "eager torch._grouped_mm us | eager one GEMM per group us | "
+                  "token alone == in group |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def us(v):
+            return "-" if v is None else f"{v:.1f}"
         for r in moe_rows:
-            tg = r.get("torch_grouped_mm_us")
             lines.append(f"| {r['tokens']} | {r['rows']} | {r['gemm']} | {r['K']} | {r['N']} | "
-                         f"{r['detgemm_us']:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
-                         f"{r['torch_loop_us']:.1f} | {r['speed_vs_best_torch']:.2f} | "
+                         f"{us(r['detgemm_us'])} | {us(r.get('torch_grouped_mm_us'))} | "
+                         f"{us(r.get('torch_loop_us'))} | {r['speed_vs_best_torch']:.2f} | "
+                         f"{us(r.get('detgemm_eager_us'))} | "
+                         f"{us(r.get('torch_grouped_mm_eager_us'))} | "
+                         f"{us(r.get('detgemm_per_group_eager_us'))} | "
                          f"{r['row_alone_bits_equal']} |")
         lines.append("")
     if model:
@@ -279,6 +320,7 @@ def main(argv=None):
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--parts", default="bmm,moe,model")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     args = p.parse_args(argv)
     why, _ = gpu.gpu_check()
     if why:
@@ -289,11 +331,12 @@ def main(argv=None):
     cap = torch.cuda.Stream()
     t0 = time.time()
     bmm_rows = run_bmm(attention_shapes(args.quick), cap, gpu.log) if "bmm" in parts else []
-    moe_rows = run_moe((256, 1024, 4096, 16384), gpu.log) if "moe" in parts else []
+    moe_rows = run_moe((256, 1024, 4096, 16384), cap, gpu.log) if "moe" in parts else []
     model = run_model(gpu.log) if "model" in parts else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"batched_{meta['device'].lower().replace(' ', '-')}"
+    stem = out / (f"batched_{meta['device'].lower().replace(' ', '-')}"
+                  + (f"_{args.tag}" if args.tag else ""))
     report = {"meta": meta, "bmm": bmm_rows, "moe": moe_rows, "model": model,
               "seconds": time.time() - t0}
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))

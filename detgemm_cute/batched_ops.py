@@ -13,9 +13,9 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 - 3-D x 3-D without offs: `bmm`.
 
 The 2-D x 3-D form with bf16/fp16 inputs on SM90 is one launch of the grouped kernel (see
-`grouped`), which reads ``offs`` on the device; eager calls still check offs on the host
-(one device sync), calls captured in a CUDA graph do not (the kernel clamps every group
-into the rows of x, so a bad offs cannot read or write out of bounds).
+`grouped`), which reads ``offs`` on the device only: no sync, and a CUDA graph captures it.
+The kernel checks offs itself (a device-side assert: a bad entry is printed and the launch
+fails, as torch's device asserts do).
 Other grouped calls (SM80, fp32 inputs, more groups than the kernel's table holds, the 2-D x
 2-D form) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
 graph) and launch one GEMM per non-empty group, spread over a few side streams so
@@ -233,14 +233,11 @@ def _grouped_impl(a, b, offs, out_dtype, op):
     launches = []
     if form == "2-D x 3-D":
         t, n = a.shape[0], b.shape[2]
-        ends = None
         if a.is_cuda and not empty:
-            if not torch.cuda.is_current_stream_capturing():
-                ends = _group_ends(offs, t, op)  # checked on the host, except in a capture
-            y = grouped.grouped_mm(a, b, offs, dt)
+            y = grouped.grouped_mm(a, b, offs, dt)  # one launch; offs checked on the device
             if y is not None:
                 return y
-        ends = _group_ends(offs, t, op) if ends is None else ends
+        ends = _group_ends(offs, t, op)
         out = torch.empty((t, n), dtype=dt, device=a.device)
         out[ends[-1] if ends else 0:].zero_()  # rows past the last group
         start, table = 0, _table_for(b)

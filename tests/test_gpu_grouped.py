@@ -7,8 +7,12 @@
   fp32 output; outputs land in NaN-poisoned memory;
 - a token's row does not depend on how many tokens its group received;
 - the call is one launch that a CUDA graph captures, and a replay after offs changed in
-  place gives the new grouping's bits (offs is read on the device).
+  place gives the new grouping's bits (offs is read on the device);
+- a bad offs fails the launch with the entry that is wrong (a device-side check).
 """
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,3 +138,20 @@ def test_grouped_backward_in_one_launch_forms():
             assert same_bits(x.grad[rows], dg.mm(g[rows], w[e].detach().t()))
             assert same_bits(w.grad[e], dg.mm(x.detach()[rows].t(), g[rows]))
         start += size
+
+
+@pytest.mark.parametrize("offs,message", [([50, 20, 100], "offs[1] = 20 after 50"),
+                                          ([50, 70, 101], "offs[2] = 101 after 70")])
+def test_bad_offs_fail_on_the_device(offs, message):
+    """offs is never read on the host: the kernel checks it and fails the launch with the
+    entry that is wrong (in a subprocess: a failed launch ends the CUDA context)."""
+    code = ("import torch, detgemm_cute as dg\n"
+            "x = torch.randn(100, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "w = torch.randn(3, 64, 32, device='cuda', dtype=torch.bfloat16)\n"
+            f"offs = torch.tensor({offs}, device='cuda', dtype=torch.int32)\n"
+            "dg.grouped_mm(x, w, offs)\n"
+            "torch.cuda.synchronize()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr

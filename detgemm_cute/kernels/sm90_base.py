@@ -14,6 +14,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.pipeline import pipeline_init_arrive
 
 from . import sm90_limits
@@ -334,6 +335,21 @@ class Sm90Base:
         return start, cutlass.max(end, start)
 
     @cute.jit
+    def _check_offs(self, mOffs, total, g):
+        """A device-side assert (the host never reads offs): offs[g] must lie in
+        [offs[g - 1] (0 for g = 0), total]. Otherwise the thread prints which entry is wrong
+        and traps, and the launch fails (as a failed device assert does in torch): two
+        groups would share rows, or a group would run past the rows of A."""
+        prev = cutlass.Int32(0)
+        if g > 0:
+            prev = mOffs[g - 1]
+        end = mOffs[g]
+        if end < prev or end > total:
+            cute.printf("detgemm_cute grouped_mm: offs must be non-decreasing, >= 0 and <= "
+                        "%d (the rows of a); offs[%d] = %d after %d", total, g, end, prev)
+            llvm.intr_trap()
+
+    @cute.jit
     def _group_table(self, table, mOffs, total):
         """Fill the shared table of the groups' first tiles (all threads, once per CTA):
         group g (g == len(offs): the rows past the last group) has ceil(rows / BM) tiles,
@@ -344,6 +360,8 @@ class Sm90Base:
         for g in cutlass.range(tidx, groups + 1, self.threads_per_cta, unroll=1):
             start, end = self._group_rows(mOffs, total, g)
             table[g + 1] = (end - start + bm - 1) // bm
+            if g < groups:
+                self._check_offs(mOffs, total, g)
         cute.arch.sync_threads()
         if tidx == 0:
             table[0] = 0
@@ -353,39 +371,50 @@ class Sm90Base:
 
     @cute.jit
     def _group_place(self, mC_mn, groups, tile):
-        """Grouped kernels: scheduled M tile j is the j-th of the groups' own row tiles, in
-        group order (`_group_table`; a binary search for the last group whose first tile
-        is <= j). A tile starts at its group's start + i * BM; the last tile of a group of
-        at least BM rows moves back to end at the group's end (its first rows are also
-        computed by the tile before it, with the same chain and the same weight: the same
-        bits); a group shorter than BM has one tile whose rows past the group are computed
-        but not stored. The rows past the last group form one more group that reads
-        nothing and stores zeros. Tiles past the last one store nothing."""
+        """Grouped kernels: where scheduled tile `tile` (m, n, l) lies among the groups.
+
+        Group g owns ceil(rows / BM) row tiles (`_group_table`), and the schedule runs the
+        groups one after the other: tile (m, n) is number m + M * (n // CN) of the grid in
+        the scheduler's M-major order (M: the grid's M tiles, CN the cluster's N size), and
+        the groups take that order in turn, each as its row tiles x the cluster columns of
+        N with its row tiles fastest. So a group's rows of A stay in L2 while its weight
+        streams past them once; the CTAs of a cluster keep one row tile (A multicast). A
+        row tile starts at its group's start + i * BM; the last one of a group of at least
+        BM rows moves back to end at the group's end (its first rows are also computed by
+        the tile before it, with the same chain and weight: the same bits); a group shorter
+        than BM has one tile whose rows past the group are computed but not stored. The
+        rows past the last group form one more group that reads nothing and stores zeros.
+        Tiles past the last one store nothing."""
         mOffs, table = groups
         bm, bn, _ = self.tile_shape_mnk
+        cn = self.cluster_shape_mn[1]
         total = cute.size(mC_mn, mode=[0])
         count = cute.size(mOffs)
-        j = tile[0]
-        lo = cutlass.Int32(0)
+        grid_m = total // bm + count + 1  # as `_schedule` sizes the grid
+        columns = (cute.size(mC_mn, mode=[1]) + bn * cn - 1) // (bn * cn)
+        order = tile[0] + grid_m * (tile[1] // cn)
+        lo = cutlass.Int32(0)  # the last group whose first tile's order is <= `order`
         hi = count + 1
         for _ in cutlass.range_constexpr(GROUP_TABLE.bit_length()):
             mid = (lo + hi) // 2
             if hi - lo > 1:
-                if table[mid] <= j:
+                if table[mid] * columns <= order:
                     lo = mid
                 else:
                     hi = mid
+        row_tiles = cutlass.max(table[lo + 1] - table[lo], 1)
+        local = order - table[lo] * columns
         start, end = self._group_rows(mOffs, total, lo)
         rows = end - start
-        row0 = start + (j - table[lo]) * bm
+        row0 = start + (local % row_tiles) * bm
         if rows >= bm:
             row0 = cutlass.min(row0, end - bm)
         stored = cutlass.min(rows, bm)
-        if j >= table[count + 1]:
+        if order >= table[count + 1] * columns:
             stored = 0
-        off_n = self._tail_offset(tile[1], cute.size(mC_mn, mode=[1]), bn, self.tail_align[1])
-        return TilePlace(0, tile[1], 0, cutlass.min(lo, count - 1), row0, off_n, stored,
-                         lo < count)
+        n = (local // row_tiles) * cn + tile[1] % cn
+        off_n = self._tail_offset(n, cute.size(mC_mn, mode=[1]), bn, self.tail_align[1])
+        return TilePlace(0, n, 0, cutlass.min(lo, count - 1), row0, off_n, stored, lo < count)
 
     @cute.jit
     def _tile_loads(self, src, place):
