@@ -108,12 +108,12 @@ def moe_offsets(tokens, experts, topk, gen):
 def one_gemm_per_group():
     """grouped_mm as it ran before the one-launch kernel: one GEMM per group (the library's
     path for calls the grouped kernel does not take), for a same-run comparison."""
-    saved = grouped.grouped_mm
-    grouped.grouped_mm = lambda *args: None
+    saved = grouped.grouped_mm, grouped.planned
+    grouped.grouped_mm = grouped.planned = lambda *args: None
     try:
         yield
     finally:
-        grouped.grouped_mm = saved
+        grouped.grouped_mm, grouped.planned = saved
 
 
 def eager_us(fn, reps=15):
