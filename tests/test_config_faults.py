@@ -291,3 +291,48 @@ def test_user_bucket_shadows_builtin_until_reset(tmp_path, monkeypatch, capsys):
     assert cli.main(["explain", "100", "4096", "4096"]) == 0
     out = capsys.readouterr().out
     assert f"fwd_small_m ({small.where}, layer 0 = built-in)" in out and "retune" not in out
+
+
+# --- grouped buckets: the grouped kernel's own rules ------------------------------------------
+
+def _grouped(extra, arch="sm90"):
+    return (f"arch: {arch}\nbuckets:\n  - name: g\n    op: grouped\n    dtypes: [bf16]\n"
+            f"    m: [1, null]\n    tile: [128, 128, 64]\n    stages: 4\n" + extra)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("", "field 'persistent': the grouped kernel is persistent and cooperative"),
+    ("    persistent: true\n    pingpong: true\n",
+     "field 'persistent': the grouped kernel is persistent and cooperative"),
+    ("    persistent: true\n    cluster: [2, 1]\n",
+     r"field 'cluster': a grouped kernel's clusters share an M tile: cluster \[1, CN\]"),
+])
+def test_grouped_bucket_rules(tmp_path, extra, words):
+    path = _make(tmp_path, "g.yaml", _grouped(extra))
+    with pytest.raises(R.ConfigError, match="bucket 'g': " + words):
+        R.add_config(path)
+    assert R.user_configs() == ()
+
+
+def test_grouped_bucket_in_a_family_without_the_kernel(tmp_path):
+    path = _make(tmp_path, "g80.yaml", _grouped("", arch="sm80").replace(
+        "[128, 128, 64]", "[128, 128, 32]"))
+    with pytest.raises(R.ConfigError, match="bucket 'g': field 'op': this kernel family has no "
+                                            "grouped kernel"):
+        R.add_config(path)
+
+
+def test_a_grouped_user_bucket_loads_and_builds_grouped_keys(tmp_path):
+    from detgemm_cute import aot
+
+    path = _make(tmp_path, "ok.yaml", _grouped("    persistent: true\n    cluster: [1, 2]\n"))
+    layer = R.add_config(path)
+    try:
+        (b,) = layer.buckets
+        calls = list(aot._variants(b, "all"))
+        assert calls and all(c["grouped"] and not c["has_bias"] for c in calls)
+        assert {(c["b_form"], c["b_contig"]) for c in calls} == {
+            ("kn", "first"), ("kn", "last"), ("nk", "last")}
+        assert {c["out_dtype"] for c in calls} == {"bf16", "fp32"}
+    finally:
+        R.reset_user_configs()

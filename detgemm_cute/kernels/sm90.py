@@ -40,6 +40,12 @@ the batch is the L mode of every tensor (grid z for `Sm90Gemm`, the third coordi
 persistent tile index for `Sm90GemmPersistent`). A tile never spans two entries, so each
 entry is the chain above, as if it ran alone. Rank-2 operands get an L mode of size 1.
 
+Groups (`Sm90GemmGrouped`, grouped_mm's mixture-of-experts form): the rows of A and C fall
+into groups given by their int32 cumulative ends, read on the device, and group g multiplies
+by B's entry g. The persistent schedule walks the groups' own row tiles (see
+`Sm90Base._group_place`), so a tile never spans two groups and each row is the chain above
+with its group's weight, as if its group ran alone.
+
 Chunked chain (`chunked`, the fp32 tier's split operands, see detgemm_cute/split.py): each
 k tile is one chunk. Its WGMMA steps run onto a second register fragment that starts at
 +0.0; once they retire, the fragment is added to the accumulator with one fp32 add (round to
