@@ -92,22 +92,18 @@ def _variants(bucket, which: str):
                     yield dict(dtype=dtype, out_dtype="fp32", a_major=a_major, b_form=b_form,
                                b_contig=b_contig, has_bias=False, accumulate=acc)
         return
-    if bucket.op == "bmm":  # one launch per batch: q @ k^T (B a transposed view), p @ v
-        layouts = _LAYOUTS if which == "all" else (("k", "kn", "first"), ("k", "kn", "last"))
+    if bucket.op in ("bmm", "grouped"):
+        # bmm: one launch per batch, q @ k^T (B a transposed view) and p @ v; grouped: expert
+        # weights [G, K, N] with K or N contiguous (or staged, "all"), x K-major.
+        core = (("k", "kn", "first"), ("k", "kn", "last"))
+        layouts = core if which == "core" else (
+            _LAYOUTS if bucket.op == "bmm" else core + (("k", "nk", "last"),))
+        kind = {"batched": True} if bucket.op == "bmm" else {"grouped": True}
         for dtype in bucket.dtypes:
             for out in ((dtype,) if which == "core" else (dtype, "fp32")):
                 for a_major, b_form, b_contig in layouts:
                     yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
-                               b_contig=b_contig, has_bias=False, batched=True)
-        return
-    if bucket.op == "grouped":  # expert weights [G, K, N] with K or N contiguous, or staged
-        layouts = (("k", "kn", "first"), ("k", "kn", "last")) + (
-            (("k", "nk", "last"),) if which == "all" else ())
-        for dtype in bucket.dtypes:
-            for out in ((dtype,) if which == "core" else (dtype, "fp32")):
-                for a_major, b_form, b_contig in layouts:
-                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
-                               b_contig=b_contig, has_bias=False, grouped=True)
+                               b_contig=b_contig, has_bias=False, **kind)
         return
     core = ("k", "nk", "last", True) if bucket.op == "fwd" else ("k", "kn", "last", False)
     for dtype in bucket.dtypes:

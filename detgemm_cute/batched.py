@@ -21,8 +21,8 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
-from .gemm import (_ALIGN, _NAMES, TF32, _current_device, _forced, _gpu_arch,
-                   arch_of, gemm, stage_k_major)
+from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
+                   stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -134,12 +134,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         c = torch.empty((lb, m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :, :n]
     else:
         c = torch.empty((lb, m, n), dtype=out_dtype, device=a.device)
-    dev = a.device.index
-    if dev is not None and dev != _current_device():
-        with torch.cuda.device(dev):
-            _launch(plan, a, b, c, bias, lb)
-    else:
-        _launch(plan, a, b, c, bias, lb)
+    launch_on(a.device, _launch, plan, a, b, c, bias, lb)
     return c.contiguous() if plan.pad_cols else c
 
 

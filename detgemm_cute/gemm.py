@@ -281,13 +281,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
             c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         if acc is not None:
             c.copy_(acc)
-    c_kernel = c.t() if plan.swap else c
-    dev = a.device.index
-    if dev is not None and dev != _current_device():
-        with torch.cuda.device(dev):
-            plan.fn(a, b, c_kernel, bias, plan.max_clusters)
-    else:
-        plan.fn(a, b, c_kernel, bias, plan.max_clusters)
+    launch_on(a.device, plan.fn, a, b, c.t() if plan.swap else c, bias, plan.max_clusters)
     if acc is not None:
         if plan.acc_copy:
             acc.copy_(c)
@@ -370,6 +364,16 @@ def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names, op="fwd"):
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def launch_on(device: torch.device, fn, *args) -> None:
+    """fn(*args) with `device` the current CUDA device (kernels launch on the current one)."""
+    dev = device.index
+    if dev is not None and dev != _current_device():
+        with torch.cuda.device(dev):
+            fn(*args)
+    else:
+        fn(*args)
 registry.on_change(_plans.clear)
 
 __all__ = ["gemm", "checked_gemm", "force_bucket", "use_family", "arch_of", "_MAX_DIM"]

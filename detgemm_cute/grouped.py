@@ -20,7 +20,7 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry
 from .batched import _inner_unit
-from .gemm import _ALIGN, _NAMES, _current_device, _forced, _gpu_arch, arch_of, stage_k_major
+from .gemm import _ALIGN, _NAMES, _forced, _gpu_arch, arch_of, launch_on, stage_k_major
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
 _plans: dict = {}
@@ -114,13 +114,8 @@ def _run(plan, x, w, offs, out_dtype):
     else:
         out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     if t:
-        offs = offs if offs.stride(0) == 1 else offs.contiguous()
-        dev = x.device.index
-        if dev is not None and dev != _current_device():
-            with torch.cuda.device(dev):
-                plan.fn(x, w, out, offs, plan.max_clusters)
-        else:
-            plan.fn(x, w, out, offs, plan.max_clusters)
+        launch_on(x.device, plan.fn, x, w, out, offs if offs.stride(0) == 1 else
+                  offs.contiguous(), plan.max_clusters)
     return out.contiguous() if plan.pad_cols else out
 
 

@@ -200,10 +200,8 @@ class Sm90GemmPersistent(Sm90Base):
         gc = cute.zipped_divide(mC, tiler=self.tile_shape_mnk[:2])
         tiles_mnl = gc[(0, (None, None, None))].shape
         if cutlass.const_expr(self.grouped):
-            # Row tiles of the groups (`_group_place`): at most rows // BM + one per group
-            # and one for the zero rows past the last group.
-            tiles_mnl = (cute.size(mC, mode=[0]) // self.tile_shape_mnk[0]
-                         + cute.size(mOffs) + 1, tiles_mnl[1], tiles_mnl[2])
+            tiles_mnl = (self._group_grid_m(cute.size(mC, mode=[0]), cute.size(mOffs)),
+                         tiles_mnl[1], tiles_mnl[2])
         # Plain M-major tile order (N-major with `raster_n`): the DSL's swizzled order rounds
         # the M tiles up to a multiple of the swizzle and runs the padding tiles, which
         # measured 2x slower at M=512. Order only; no tile's arithmetic changes.

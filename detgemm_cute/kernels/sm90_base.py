@@ -369,6 +369,11 @@ class Sm90Base:
                 table[g + 1] = table[g + 1] + table[g]
         cute.arch.sync_threads()
 
+    def _group_grid_m(self, rows, groups):
+        """M tiles of a grouped kernel's grid: an upper bound on the groups' row tiles
+        (rows // BM, one more per group, one for the zero rows past the last group)."""
+        return rows // self.tile_shape_mnk[0] + groups + 1
+
     @cute.jit
     def _group_place(self, mC_mn, groups, tile):
         """Grouped kernels: where scheduled tile `tile` (m, n, l) lies among the groups.
@@ -390,7 +395,7 @@ class Sm90Base:
         cn = self.cluster_shape_mn[1]
         total = cute.size(mC_mn, mode=[0])
         count = cute.size(mOffs)
-        grid_m = total // bm + count + 1  # as `_schedule` sizes the grid
+        grid_m = self._group_grid_m(total, count)
         columns = (cute.size(mC_mn, mode=[1]) + bn * cn - 1) // (bn * cn)
         order = tile[0] + grid_m * (tile[1] // cn)
         lo = cutlass.Int32(0)  # the last group whose first tile's order is <= `order`
