@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import grouped  # noqa: E402
 from detgemm_cute.benchlib import gpu  # noqa: E402
+from detgemm_cute.benchlib.peers import LtNoSplit  # noqa: E402
 from detgemm_cute.benchlib.timing import (QUICK_PLAN, eager_median_us, n_sets_for,  # noqa: E402
                                            time_units)
 
@@ -147,7 +148,14 @@ def run_moe(token_counts, cap_stream, log):
                     start = end
                 return out
 
-            peers = {"detgemm": lambda _s: dg.grouped_mm(x, w, offs), "torch_loop": loop}
+            lt = LtNoSplit()
+
+            def lt_loop(_s):  # cuBLASLt with split-K off: the same chain as detgemm
+                with lt:
+                    return loop(_s)
+
+            peers = {"detgemm": lambda _s: dg.grouped_mm(x, w, offs), "torch_loop": loop,
+                     "lt_loop": lt_loop}
             try:
                 torch._grouped_mm(x, w, offs)
                 peers["torch_grouped_mm"] = lambda _s: torch._grouped_mm(x, w, offs)
@@ -164,12 +172,13 @@ def run_moe(token_counts, cap_stream, log):
             s0 = ([0] + ends)[g0]
             inv = bool(torch.equal(y[s0:s0 + 1].view(torch.int16),
                                    dg.mm(x[s0:s0 + 1], w[g0]).view(torch.int16)))
+            lt_same = bool(torch.equal(y.view(torch.int16), lt_loop(None).view(torch.int16)))
             best_torch = min(v for p, v in t.items() if p != "detgemm" and v)
             row = {"tokens": tokens, "rows": tokens * topk, "gemm": name, "K": k, "N": n,
                    **{f"{p}_us": v for p, v in t.items()},
                    **{f"{p}_eager_us": v for p, v in eager.items()},
                    "speed_vs_best_torch": best_torch / t["detgemm"],
-                   "row_alone_bits_equal": inv}
+                   "row_alone_bits_equal": inv, "lt_loop_bits_equal": lt_same}
             if "torch_grouped_mm" in eager:
                 row["eager_speed_vs_torch_grouped_mm"] = (eager["torch_grouped_mm"]
                                                           / eager["detgemm"])
@@ -260,8 +269,13 @@ def render(meta, bmm_rows, moe_rows, model):
         sp = [r["speed_vs_best_torch"] for r in moe_rows]
         vs_tg = [r["torch_grouped_mm_us"] / r["detgemm_us"] for r in moe_rows
                  if r.get("torch_grouped_mm_us") and r.get("detgemm_us")]
-        tg_text = (f" Against torch._grouped_mm (graphs): geomean {geomean(vs_tg):.3f}x, "
-                   f"{min(vs_tg):.2f}x to {max(vs_tg):.2f}x." if vs_tg else "")
+        tg_text = "".join(
+            f" Against {label} (graphs): geomean {geomean(v):.3f}x, {min(v):.2f}x to "
+            f"{max(v):.2f}x." for label, v in (
+                ("torch._grouped_mm", vs_tg),
+                ("the cuBLASLt no-split-K loop", [r["lt_loop_us"] / r["detgemm_us"]
+                                                  for r in moe_rows if r.get("lt_loop_us")]))
+            if v)
         lines += ["## Mixture-of-experts grouped GEMM (8 experts, top-2, hidden 4096, ffn 14336)",
                   "", "CUDA graphs, medians; `eager`: medians of eager calls, host time "
                   "included; `one GEMM per group`: detgemm's path before the grouped kernel "
@@ -269,21 +283,23 @@ def render(meta, bmm_rows, moe_rows, model):
                   f"Geomean speed vs the better torch (graphs): {geomean(sp):.3f}x, worst "
                   f"{min(sp):.2f}x." + tg_text, "",
                   "| tokens | rows | GEMM | K | N | detgemm us | torch._grouped_mm us | "
-                  "torch mm loop us | speed vs best torch | eager detgemm us | "
+                  "torch mm loop us | Lt no split-K loop us | speed vs best torch | "
+                  "eager detgemm us | "
                   "eager torch._grouped_mm us | eager one GEMM per group us | "
-                  "token alone == in group |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "token alone == in group | bits == Lt loop |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
         def us(v):
             return "-" if v is None else f"{v:.1f}"
         for r in moe_rows:
             lines.append(f"| {r['tokens']} | {r['rows']} | {r['gemm']} | {r['K']} | {r['N']} | "
                          f"{us(r['detgemm_us'])} | {us(r.get('torch_grouped_mm_us'))} | "
-                         f"{us(r.get('torch_loop_us'))} | {r['speed_vs_best_torch']:.2f} | "
+                         f"{us(r.get('torch_loop_us'))} | {us(r.get('lt_loop_us'))} | "
+                         f"{r['speed_vs_best_torch']:.2f} | "
                          f"{us(r.get('detgemm_eager_us'))} | "
                          f"{us(r.get('torch_grouped_mm_eager_us'))} | "
                          f"{us(r.get('detgemm_per_group_eager_us'))} | "
-                         f"{r['row_alone_bits_equal']} |")
+                         f"{r['row_alone_bits_equal']} | {r.get('lt_loop_bits_equal', '-')} |")
         lines.append("")
     if model:
         lines += ["## Llama-architecture model inside batch_invariant_mode()", "",

@@ -4,7 +4,8 @@ SM90 GPU): the data the ``op: grouped`` buckets of configs/sm90.yaml are chosen 
 For every (model, token count, projection) the candidates (`CANDIDATES`, declared as the
 alternatives of one user bucket and forced by name), `torch._grouped_mm` and a per-expert
 `torch.mm` loop run on the same inputs in one `time_units` call (CUDA graphs, interleaved
-rounds, medians; tokens routed top-k uniformly at random, expert weights stored as
+rounds, medians; the loop also under cuBLASLt with split-K off; tokens routed top-k
+uniformly at random, expert weights stored as
 nn.Linear's [E, N, K]). Every candidate's output must have the bits of the first one, and
 one group's rows the bits of `dg.mm` on them.
 
@@ -24,6 +25,7 @@ import torch
 import detgemm_cute as dg
 from detgemm_cute import registry
 from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for, time_units
 
 BF16 = torch.bfloat16
@@ -85,6 +87,12 @@ def torch_loop(s):
     return out
 
 
+def lt_loop(s):
+    """The per-expert loop under cuBLASLt with split-K off (the same chain as detgemm)."""
+    with LtNoSplit():
+        return torch_loop(s)
+
+
 def forced(name):
     def run(s):
         with dg.force_bucket(name):
@@ -130,6 +138,7 @@ def main() -> int:
         fns = {nm: (lambda nm_: lambda s: forced(nm_)(s))(nm) for nm in names}
         fns["torch_grouped_mm"] = lambda s: torch._grouped_mm(s[0], s[1], s[2])
         fns["torch_loop"] = torch_loop
+        fns["lt_loop"] = lt_loop
         res = time_units(fns, sets, plan, cap)
         us = {nm: r.get("us") for nm, r in res.items()}
         ok = check_bits(names, sets[0])

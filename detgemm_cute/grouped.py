@@ -34,7 +34,7 @@ class _Plan:
         self.pad_cols, self.max_clusters = pad_cols, max_clusters
 
 
-def _bucket(x, w, out_dtype):
+def _bucket(x, w):
     """The grouped bucket for this call, or None when it runs one GEMM per group (another
     kernel family, fp32 inputs, more groups than the kernel's table holds, a forced
     bucket that is not a grouped one)."""
@@ -93,7 +93,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     key = _key(x, w, offs, out_dtype)
     plan = _plans.get(key)
     if plan is None:
-        bucket = _bucket(x, w, out_dtype)
+        bucket = _bucket(x, w)
         if bucket is None:
             return None
         plan = _make_plan(bucket, x, w, out_dtype)
