@@ -22,7 +22,7 @@ from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   stage_k_major)
+                   max_clusters_for, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -51,6 +51,28 @@ class _Plan:
         self.pad_cols, self.max_clusters, self.chunk = pad_cols, max_clusters, chunk
 
 
+def kernel_layout(a, b, bias, out_dtype, bucket):
+    """How `bucket` runs this call: (KernelKey, stage_a, stage_b, pad_cols). Benchmarks use it
+    to compile a sweep's kernels ahead, in parallel."""
+    dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
+    a_unit, b_unit = _inner_unit(a), _inner_unit(b)
+    if a_unit == "first" and bucket.tile[0] < 64:
+        a_unit = None  # row tiles load BM-row boxes of a K-major A
+    if dtype == TF32:  # the TF32 kernels read both operands K-major: b [L, K, N] K-first
+        a_unit = a_unit if a_unit == "last" else None
+        b_unit = b_unit if b_unit == "first" else None
+    stage_a, stage_b = a_unit is None, b_unit is None
+    b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
+    n = b.shape[2]
+    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
+    pad_cols = -(-n // el) * el if n % el else 0
+    key = kcompile.KernelKey.for_bucket(
+        bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
+        else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
+        arch=_gpu_arch(arch_of(a.device), a.device), batched=True)
+    return key, stage_a, stage_b, pad_cols
+
+
 def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
     arch = arch_of(a.device)
     dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
@@ -60,22 +82,8 @@ def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
     if forced and dtype not in bucket.dtypes:
         raise ValueError(f"force_bucket: bucket {forced!r} serves {'/'.join(bucket.dtypes)}, "
                          f"not this call's {dtype} operands")
-    a_unit, b_unit = _inner_unit(a), _inner_unit(b)
-    if a_unit == "first" and bucket.tile[0] < 64:
-        a_unit = None  # row tiles load BM-row boxes of a K-major A
-    if dtype == TF32:  # the TF32 kernels read both operands K-major: b [L, K, N] K-first
-        a_unit = a_unit if a_unit == "last" else None
-        b_unit = b_unit if b_unit == "first" else None
-    stage_a, stage_b = a_unit is None, b_unit is None
-    b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
-    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
-    pad_cols = -(-n // el) * el if n % el else 0
-    key = kcompile.KernelKey.for_bucket(
-        bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
-        else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
-        arch=_gpu_arch(arch, a.device), batched=True)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    key, stage_a, stage_b, pad_cols = kernel_layout(a, b, bias, out_dtype, bucket)
+    max_clusters = max_clusters_for(a.device, bucket.cluster)
     chunk = lb if bucket.persistent and arch == "sm90" else _GRID_Z
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, max_clusters, chunk)
 
@@ -172,4 +180,4 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["bmm", "checked_bmm"]
+__all__ = ["bmm", "checked_bmm", "kernel_layout"]

@@ -17,6 +17,7 @@ written into a padded buffer and copied out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -106,6 +107,31 @@ def _unit_dim(t: torch.Tensor) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _cluster_slots(device_index: int, size: int) -> int:
+    """How many clusters of `size` CTAs (one CTA per SM) the GPU holds at once: the
+    persistent grid's size. A cluster lives inside one GPC, so for 4 or 8 CTAs this is
+    below SMs / size (the driver's occupancy query says by how much); a persistent grid one
+    cluster too large would run that cluster as a second wave."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    if size <= 2:  # every TPC holds two SMs
+        return max(1, sms // size)
+    try:
+        import cutlass.utils
+
+        with torch.cuda.device(device_index):
+            n = cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(size)
+        return max(1, min(int(n), sms // size))
+    except Exception:  # noqa: BLE001 - no driver bindings: the upper bound
+        return max(1, sms // size)
+
+
+def max_clusters_for(device: torch.device, cluster) -> int:
+    """The persistent grid, in clusters, for a bucket's cluster shape on `device`."""
+    return _cluster_slots(device.index if device.index is not None
+                          else torch.cuda.current_device(), cluster[0] * cluster[1])
+
+
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
     [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. A transposed
@@ -188,8 +214,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
         accumulate=acc is not None, split=bool(split_in), swap_ab=swap)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    max_clusters = max_clusters_for(a.device, bucket.cluster)
     bias_copy = bias is not None and bias.stride(0) != 1
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,

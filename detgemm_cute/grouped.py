@@ -20,7 +20,8 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry
 from .batched import _inner_unit
-from .gemm import _ALIGN, _NAMES, _forced, _gpu_arch, arch_of, launch_on, stage_k_major
+from .gemm import (_ALIGN, _NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_for,
+                   stage_k_major)
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
 _plans: dict = {}
@@ -62,8 +63,7 @@ def _make_plan(bucket, x, w, out_dtype):
         bucket, dtype=_NAMES[x.dtype], out_dtype=_NAMES[out_dtype], a_major="k",
         b_form=b_form, b_contig=b_contig, has_bias=False, grouped=True,
         arch=_gpu_arch("sm90", x.device))
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    max_clusters = max(1, sms // (bucket.cluster[0] * bucket.cluster[1]))
+    max_clusters = max_clusters_for(x.device, bucket.cluster)
     return _Plan(kcompile.get(key), a_unit is None, b_unit is None,
                  -(-n // el) * el if n % el else 0, max_clusters)
 

@@ -86,7 +86,7 @@ def test_sm80_and_unknown_arches():
      ["op fwd dtype bf16: M 65..127 (N 1.., K 1..) is covered by no bucket", "bucket 'high'"]),
     ("unknown_key.yaml", False, "bucket 'typo'", "field 'stage'", ["did you mean 'stages'"]),
     ("bad_tile.yaml", False, "bucket 'odd_tile'", "field 'tile'", ["tile M", "96"]),
-    ("bad_cluster.yaml", False, "bucket 'big_cluster'", "field 'cluster'", ["[4, 2]"]),
+    ("bad_cluster.yaml", False, "bucket 'big_cluster'", "field 'cluster'", ["[4, 4]"]),
     ("too_many_stages.yaml", False, "bucket 'deep'", "field 'stages'",
      ["shared memory", "at most 4 stages fit"]),
     ("duplicate_name.yaml", False, "bucket 'twice'", "field 'name'",
@@ -305,8 +305,9 @@ def test_raster_n_needs_a_persistent_sm90_kernel(tmp_path, arch, extra, words):
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
-def test_wide_tiles_and_clusters_of_four():
-    """BM 256 takes BN <= 192 and 16-bit operands; clusters have at most four CTAs."""
+def test_wide_tiles_and_cluster_sizes():
+    """BM 256 takes BN <= 192 and 16-bit operands; clusters have at most eight CTAs, at most
+    four along a dimension."""
     ok = sm90_limits.check_config
     assert ok((256, 192, 64), (1, 1), 3, True) == []
     assert ok((256, 128, 64), (2, 2), 4, True) == []
@@ -314,5 +315,8 @@ def test_wide_tiles_and_clusters_of_four():
     assert [f for f, _ in ok((256, 208, 64), (1, 1), 3, True)] == ["tile"]
     assert [f for f, _ in ok((256, 128, 32), (1, 1), 3, True, dtypes=("tf32",))] == ["tile"]
     assert [f for f, _ in ok((256, 128, 96), (1, 1), 2, True, dtypes=("fp32",))] == ["tile"]
-    assert [f for f, _ in ok((128, 128, 64), (4, 2), 4, True)] == ["cluster"]
+    assert ok((64, 128, 64), (4, 2), 8, True, swap_ab=True) == []
+    assert ok((128, 64, 64), (2, 4), 8, False) == []
+    assert [f for f, _ in ok((128, 128, 64), (4, 4), 4, True)] == ["cluster"]
+    assert [f for f, _ in ok((128, 128, 64), (8, 1), 4, True)] == ["cluster"]
     assert sm90_limits.warpgroups(256, 128) == 2 and sm90_limits.warpgroups(128, 128) == 1

@@ -37,8 +37,10 @@ TF32_TILE_K = (32, 64)
 TF32_BYTES = 4
 # Clusters multicast the shared operand: a tile's A goes to the CN CTAs of its cluster row,
 # its B to the CM CTAs of its column (4 x 1 shares one token tile among four weight tiles).
+# Up to 8 CTAs (4 x 2, 2 x 4): the most a GPC holds portably; cuBLAS runs mid-M narrow
+# GEMMs on such clusters (64x128 tiles, 4 x 2), which cut the L2 traffic per CTA.
 CLUSTER_DIMS = (1, 2, 4)
-MAX_CLUSTER_SIZE = 4
+MAX_CLUSTER_SIZE = 8
 STAGES = (2, 16)  # inclusive
 SMEM_BYTES = 232448  # 227 KiB usable per CTA on sm_90
 BARRIER_BYTES = 1024

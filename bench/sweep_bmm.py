@@ -1,0 +1,199 @@
+"""Time bmm-kernel candidates on the attention GEMMs of public models (needs an SM90 GPU): the
+data the ``op: bmm`` buckets of configs/sm90.yaml are chosen from.
+
+For every (model, batch x sequence) both attention GEMMs run: q @ k^T (B a transposed view of
+k, no copy) and p @ v. The candidates (`CANDIDATES`, declared as the alternatives of one user
+bucket and forced by name) and `torch.bmm` run on the same inputs in one `time_units` call
+(CUDA graphs, interleaved rounds, medians). Where the sequence length is odd, p's rows are not
+16-byte aligned and detgemm stages p (a padded K-major copy): the copy alone and the GEMM on
+an aligned p are timed as well, to show where the time goes. Every candidate's output must
+have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
+
+    python bench/sweep_bmm.py --out bench/results/tune/bmm_sweep.json [--quick] [--jobs N]
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import detgemm_cute as dg
+from detgemm_cute import batched, dispatch, registry
+from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
+from detgemm_cute.gemm import stage_k_major
+
+BF16 = torch.bfloat16
+# (name, query heads, head_dim): public configs; "/tpN": heads sharded N ways.
+MODELS = [("llama3-8b", 32, 128), ("qwen2.5-7b", 28, 128), ("gemma2-9b", 16, 256),
+          ("phi3-mini", 32, 96), ("gpt2", 12, 64), ("bert-large", 16, 64),
+          ("mistral-7b/tp2", 16, 128), ("llama3-70b/tp8", 8, 128)]
+SEQS = (128, 333, 512, 777, 1024, 1500, 2048, 3000, 4096)
+TOKENS = 8192  # batch x sequence of a prefill batch (the batch at most 64)
+CANDIDATES = [  # (tile, cluster, stages, persistent, pingpong)
+    ((64, 64, 64), (1, 1), 4, True, False), ((64, 128, 64), (1, 1), 4, False, False),
+    ((64, 128, 64), (1, 1), 4, True, False), ((64, 256, 64), (1, 1), 4, True, False),
+    ((128, 64, 64), (1, 1), 6, True, False), ((128, 128, 64), (1, 1), 4, False, False),
+    ((128, 128, 64), (1, 1), 4, True, False), ((128, 128, 64), (1, 1), 4, True, True),
+    ((128, 128, 64), (2, 1), 4, True, False), ((128, 192, 64), (1, 1), 4, True, False),
+    ((128, 256, 64), (1, 1), 3, False, False), ((64, 64, 128), (1, 1), 4, False, False)]
+
+
+def candidate_layer(path: Path) -> list[str]:
+    """Write the candidates as alternatives of one bmm bucket; their bucket names."""
+    alts = "".join(f"      - {{tile: {list(t)}, cluster: {list(c)}, stages: {s}, "
+                   f"persistent: {str(p).lower()}, pingpong: {str(pp).lower()}, "
+                   f"cost: [{int(i > 0)}, 0, 0, 0]}}\n"
+                   for i, (t, c, s, p, pp) in enumerate(CANDIDATES))
+    path.write_text("arch: sm90\nbuckets:\n  - name: bcand\n    op: bmm\n"
+                    "    dtypes: [bf16, fp16]\n    m: [1, null]\n    sms: 132\n"
+                    "    alternatives:\n" + alts)
+    layer = registry.add_config(path)
+    return [b.name for b in layer.buckets]
+
+
+def problems(models, seqs):
+    """(model, L, S, head_dim): three sequence lengths per model (a short, a middle and a long
+    one), rotating over SEQS."""
+    third = len(seqs) // 3
+    for i, (name, heads, d) in enumerate(models):
+        for j in range(3):
+            s = seqs[(i + j * third) % len(seqs)]
+            yield name, min(64, max(1, TOKENS // s)) * heads, s, d
+
+
+def shapes_of(lb, s, d):
+    """The two GEMMs: (kind, M, K, N)."""
+    return (("qk", s, d, s), ("pv", s, s, d))
+
+
+def operands(kind, lb, m, k, n):
+    """Fresh random (a, b) as attention makes them: b = k^T (a view) for q @ k^T; for p @ v,
+    a = softmax rows."""
+    a = torch.randn(lb, m, k, device="cuda", dtype=BF16)
+    if kind == "qk":
+        return a, torch.randn(lb, n, k, device="cuda", dtype=BF16).transpose(1, 2)
+    return a.softmax(-1), torch.randn(lb, k, n, device="cuda", dtype=BF16)
+
+
+def make_sets(kind, lb, m, k, n, l2):
+    nbytes = 2 * lb * (m * k + k * n + m * n)
+    return [operands(kind, lb, m, k, n) for _ in range(min(8, n_sets_for(nbytes, l2, PLAN)))]
+
+
+def forced(name):
+    def run(s):
+        with dg.force_bucket(name):
+            return dg.bmm(s[0], s[1])
+    return run
+
+
+def aligned_gemm(name):
+    """The GEMM on an aligned copy of A (K padded to a multiple of 8): the staged call's
+    kernel time without the copy (the copy is made once, outside the timed call)."""
+    cache = {}
+
+    def run(s):
+        a = cache.get(id(s[0]))
+        if a is None:
+            a = cache[id(s[0])] = stage_k_major(s[0], True)
+        with dg.force_bucket(name):
+            return dg.bmm(a[:, :, :s[0].shape[2]], s[1])
+    return run
+
+
+def check_bits(names, s) -> bool:
+    a, b = s
+    outs = [forced(nm)(s) for nm in names]
+    same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+    ref = dg.mm(a[0], b[0])
+    return same and torch.equal(outs[0][0].view(torch.int16), ref.view(torch.int16))
+
+
+def precompile(names, probs, jobs, log):
+    """Every candidate's kernel for every layout the sweep meets, in `jobs` processes."""
+    from detgemm_cute import aot_cache
+    from detgemm_cute.parallel_compile import compile_all
+
+    directory = aot_cache.cache_dir() or tempfile.mkdtemp(prefix="detgemm-sweep-aot-")
+    aot_cache.os.environ[aot_cache.ENV_VAR] = str(directory)
+    keys = {}
+    for _, lb, s, d in probs:
+        for kind, m, k, n in shapes_of(lb, s, d):
+            a, b = operands(kind, 2, m, k, n)
+            for nm in names:
+                key = batched.kernel_layout(a, b, None, BF16,
+                                            dispatch.bucket_by_name("sm90", nm))[0]
+                keys[key] = None
+    log(f"compiling {len(keys)} kernels in {jobs} processes")
+    failed = compile_all(list(keys), directory, jobs, log=log)
+    for key, why in failed.items():
+        log(f"could not build {key}: {why}")
+
+
+PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
+                  warm_replays=1, est_min_ms=0.3)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--max-seconds", type=float, default=420.0)
+    args = p.parse_args()
+    err, _ = gpu.gpu_check()
+    if err:
+        print(err, file=sys.stderr)
+        return 1
+    t0 = time.time()
+    models = MODELS[::3] if args.quick else MODELS
+    probs = list(problems(models, SEQS))
+    table = {(m, n, k): dispatch.lookup("bmm", "bf16", "sm90", m, n, k).name
+             for _, lb, s, d in probs for _, m, k, n in shapes_of(lb, s, d)}
+    with tempfile.TemporaryDirectory() as tmp:
+        names = candidate_layer(Path(tmp) / "candidates.yaml")
+    if args.jobs > 1:
+        precompile(names, probs, args.jobs, lambda m: print(m, flush=True))
+    l2 = gpu.l2_bytes()
+    cap = torch.cuda.Stream()
+    rows = []
+    for model, lb, s, d in probs:
+        for kind, m, k, n in shapes_of(lb, s, d):
+            if time.time() - t0 > args.max_seconds:
+                print(f"time box reached after {len(rows)} problems", flush=True)
+                break
+            sets = make_sets(kind, lb, m, k, n, l2)
+            fns = {nm: forced(nm) for nm in names}
+            fns["torch_bmm"] = lambda st: torch.bmm(*st)
+            if kind == "pv" and k % 8:
+                fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
+                fns["aligned_gemm"] = aligned_gemm(names[0])
+            res = time_units(fns, sets, PLAN, cap)
+            us = {nm: r.get("us") for nm, r in res.items()}
+            ok = check_bits(names, sets[0])
+            row = {"model": model, "kind": kind, "L": lb, "M": m, "K": k, "N": n, "us": us,
+                   "bits_ok": ok, "table": table[(m, n, k)],
+                   "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
+            best = min((v, nm) for nm, v in us.items() if v and nm in names)
+            peer = us.get("torch_bmm") or float("nan")
+            print(f"{model:16s} {kind} L={lb:5d} M={m:5d} K={k:5d} N={n:5d} best "
+                  f"{best[1].split('.', 1)[1]:30s} {best[0]:8.1f} us  torch {peer:8.1f}  "
+                  f"{peer / best[0]:.2f}x  bits {ok}"
+                  + (f"  copy {us.get('stage_copy') or 0:.1f} aligned {us.get('aligned_gemm') or 0:.1f}"
+                     if "stage_copy" in us else ""), flush=True)
+            rows.append(row)
+            del sets
+    meta = gpu.device_meta()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "candidates": names, "rows": rows},
+                                         indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
