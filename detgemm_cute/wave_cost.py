@@ -9,7 +9,8 @@ For an alternative with tile (BM, BN, BK) and cluster (CM, CN) on a GPU of S SMs
 the table was measured on), the tile's rows running along M (or along N when it swaps
 operands). The unit the GPU schedules is a cluster of CM x CN tiles:
     units  = ceil(ceil(M / BM) / CM) * ceil(ceil(N / BN) / CN)
-    slots  = S // (CM * CN)             clusters that run at once
+    slots  = clusters of CM x CN CTAs that run at once (`cluster_slots`: S // (CM * CN) for
+             up to 2 CTAs; a cluster stays inside one GPC, so 4 and 8 CTAs fit fewer)
     waves  = ceil(units / slots)        rounds of clusters the SMs run one after another
     active = min(units, slots) * CM * CN  SMs busy in a full wave
     work   = waves * ceil(K / BK)       k-blocks one SM runs in sequence
@@ -35,6 +36,16 @@ ones 0) are fitted per alternative to its timings (`detgemm_cute.tune.choice`).
 from __future__ import annotations
 
 N_COEFFS = 6
+# Clusters of 4 and 8 CTAs the GPU holds at once, by SM count: the driver's occupancy query
+# (cudaOccupancyMaxActiveClusters, one CTA per SM) on an H100 SXM, 2026-11-26. Below
+# SMs / size because clusters are placed per GPC: 128 tiles in 32 clusters of four run as
+# two waves there (measured: dx 960 x 2048 <- 3584 on 2 x 2 clusters at half speed).
+MEASURED_SLOTS = {132: {4: 30, 8: 15}}
+
+
+def cluster_slots(sms: int, size: int) -> int:
+    """Clusters of `size` CTAs that run at once on a GPU of `sms` SMs (one CTA per SM)."""
+    return max(1, MEASURED_SLOTS.get(sms, {}).get(size, sms // size))
 
 
 def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> tuple:
@@ -48,7 +59,7 @@ def features(tile, cluster, swap_ab: bool, m: int, n: int, k: int, sms: int) -> 
         m, n = n, m
     tiles_m, tiles_n, k_blocks = -(-m // bm), -(-n // bn), -(-k // bk)
     units = -(-tiles_m // cm) * -(-tiles_n // cn)
-    slots = max(1, sms // (cm * cn))
+    slots = cluster_slots(sms, cm * cn)
     waves = -(-units // slots)
     work = waves * k_blocks
     share = min(units, slots) * cm * cn / sms

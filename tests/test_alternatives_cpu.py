@@ -203,14 +203,14 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: bench/results/gemm_*_small-mid-ab.md)
     ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
-    # narrow outputs at mid M, timed after the ragged-tile change; dx only (the fwd fit lost
-    # its A/B: bench/results/gemm_*_narrow-ab-*.md)
-    ("mid_narrow", ("tune_narrow",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),
+    # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
+    # clusters, every one timed on every problem
+    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("fwd", "dx")),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
                                                            ops):
-    """The built-in small, mid and dx mid-narrow buckets are what `choice` selects and fits
+    """The built-in small, mid and mid-narrow buckets are what `choice` selects and fits
     from the tune records committed next to them (bench/results/tune/): configs are data,
     derived."""
     from pathlib import Path

@@ -67,7 +67,16 @@ WIDE = [
     ((128, 160, 64), 5, True, (2, 2), True, False),
     ((128, 224, 64), 4, False, (4, 1), False, True),
 ]
-ALL = TILES + PINGPONG + SWAPPED + WIDE
+# Clusters of eight CTAs (4 x 2, 2 x 4: A multicast to two CTAs and B to four, or the other
+# way round), deep stage rings, swapped or not, persistent or one tile per CTA.
+CLUSTER8 = [
+    ((64, 128, 64), 8, True, (4, 2), False, True),
+    ((64, 128, 64), 8, True, (4, 2), False, False),
+    ((64, 64, 64), 12, True, (2, 4), False, False),
+    ((64, 64, 64), 12, True, (4, 2), False, True),
+    ((128, 64, 64), 8, False, (2, 4), False, False),
+]
+ALL = TILES + PINGPONG + SWAPPED + WIDE + CLUSTER8
 _FAR = 10**12  # an M no call reaches: the buckets are used only when forced
 
 
@@ -91,7 +100,7 @@ def _bucket_lines(name, op, m, spec, **extra) -> list[str]:
 def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
     for i, spec in enumerate(ALL):
-        bmm = (spec[4] or spec in WIDE) and not spec[5]
+        bmm = (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]
         for op in ("fwd", "dx", "dw") + (("bmm",) if bmm else ()):
             lines += _bucket_lines(f"{op}_{_name(*spec)}", op, _FAR + i, spec)
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
@@ -172,15 +181,15 @@ def test_ragged_last_tiles_match_the_reference(forced_layer, spec):
         assert same_bits(got.cpu(), reference.mm(dy.cpu(), wc)), (m, n)
 
 
-MANY = PINGPONG + SWAPPED + WIDE
+MANY = PINGPONG + SWAPPED + WIDE + CLUSTER8
 
 
 @pytest.mark.parametrize("spec", MANY, ids=[_name(*t) for t in MANY])
 def test_many_tiles_per_cta(forced_layer, spec):
     """Problems with several tiles per CTA, so both ping-pong consumer warpgroups run tiles
     and skip each other's stages (an odd and an even count per CTA, tails in M, N and K),
-    swapped problems whose M is large, and clusters of four with partial clusters at the
-    edges: the bits of every op equal the built-in table's,
+    swapped problems whose M is large, and clusters of four or eight with partial clusters
+    at the edges: the bits of every op equal the built-in table's,
     and no poisoned output survives."""
     for m, n, k in [(2000, 3000, 1000), (4100, 1032, 520), (777, 5120, 4104)]:
         x, w, b = rand(m, k), rand(n, k), rand(n)
@@ -230,3 +239,16 @@ def test_raster_n_gives_the_same_bits(tmp_path):
             got = _run_forced(f"dw_raster{i}",
                               lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
             assert same_bits(got, want), (i, m, n, k)
+
+
+def test_persistent_grids_fit_the_gpu_s_co_resident_clusters():
+    """The persistent grid of a cluster shape is the driver's count of clusters of that size
+    the GPU holds at once (a cluster stays inside one GPC), never more than SMs / size."""
+    import cutlass.utils
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    info = cutlass.utils.HardwareInfo(0)
+    for size in (4, 8):
+        slots = gemm._cluster_slots(0, size)
+        assert slots == min(info.get_max_active_clusters(size), sms // size) >= 1
+    assert gemm._cluster_slots(0, 2) == sms // 2
