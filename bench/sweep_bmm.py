@@ -181,11 +181,11 @@ def main() -> int:
                    "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
             best = min((v, nm) for nm, v in us.items() if v and nm in names)
             peer = us.get("torch_bmm") or float("nan")
+            split_us = (f"  copy {us.get('stage_copy') or 0:.1f} aligned "
+                        f"{us.get('aligned_gemm') or 0:.1f}" if "stage_copy" in us else "")
             print(f"{model:16s} {kind} L={lb:5d} M={m:5d} K={k:5d} N={n:5d} best "
                   f"{best[1].split('.', 1)[1]:30s} {best[0]:8.1f} us  torch {peer:8.1f}  "
-                  f"{peer / best[0]:.2f}x  bits {ok}"
-                  + (f"  copy {us.get('stage_copy') or 0:.1f} aligned {us.get('aligned_gemm') or 0:.1f}"
-                     if "stage_copy" in us else ""), flush=True)
+                  f"{peer / best[0]:.2f}x  bits {ok}{split_us}", flush=True)
             rows.append(row)
             del sets
     meta = gpu.device_meta()

@@ -134,15 +134,20 @@ def max_clusters_for(device: torch.device, cluster) -> int:
 
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
-    [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. A transposed
-    fp32 matrix (the TF32 kernels' staged weight) takes the tiled transpose kernel."""
+    [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. Rows already
+    K-contiguous (an odd K) take the row-copy kernel; a transposed fp32 matrix (the TF32
+    kernels' staged weight) takes the tiled transpose kernel."""
     src = t if k_last else t.transpose(-1, -2)
     k = src.shape[-1]
+    kp = -(-k // 8) * 8
     if src.dim() == 2 and src.stride(0) == 1:  # [rows, K] is a transposed view of [K, rows]
-        out = staging.transposed(src.t(), -(-k // 8) * 8)
+        out = staging.transposed(src.t(), kp)
         if out is not None:
             return out
-    out = torch.empty((*src.shape[:-1], -(-k // 8) * 8), dtype=t.dtype, device=t.device)
+    out = staging.rows(src, kp)
+    if out is not None:
+        return out
+    out = torch.empty((*src.shape[:-1], kp), dtype=t.dtype, device=t.device)
     out[..., :k].copy_(src)
     out[..., k:].zero_()
     return out
@@ -313,7 +318,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
         return acc
     if out is not None:
         return out if c is out else out.copy_(c)
-    return c.contiguous() if plan.pad_cols else c
+    return staging.unpadded(c) if plan.pad_cols else c
 
 
 def _fp32_route(op: str):

@@ -1,10 +1,16 @@
-"""Transposed copies of fp32 operands on the GPU in one tiled pass (`kernels/transpose.py`).
+"""Staging copies on the GPU, each one pass of a helper kernel:
 
-The TF32 kernels read both operands K-major, so a weight used as [K, N] (dX's W, mm's B) is
-copied into a K-major [N, K'] buffer first. PyTorch's strided `copy_` of a transposed view
-runs at about a third of the copy bandwidth; the tiled kernel reads and writes whole
-128-byte rows. ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import, as for the fp32 split) falls
-back to PyTorch's copy. The bits are the same either way: a copy.
+- `transposed` (`kernels/transpose.py`): the TF32 kernels read both operands K-major, so an
+  fp32 weight used as [K, N] (dX's W, mm's B) is copied into a K-major [N, K'] buffer.
+  PyTorch's strided `copy_` of a transposed view runs at about a third of the copy
+  bandwidth; the tiled kernel reads and writes whole 128-byte rows.
+- `rows` / `unpadded` (`kernels/rows.py`): 16-bit rows whose starts TMA cannot address (an
+  odd K) copied into rows padded with zeros to a multiple of 8, and a result stored into
+  padded rows copied back to its true width. PyTorch's copy of these views runs at about
+  half the copy bandwidth.
+
+``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import, as for the fp32 split) falls back to
+PyTorch's copies. The bits are the same either way: a copy.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import torch
 
 from . import split
 
-_GRID_Y_MAX = 65535  # the kernel puts 32-wide tiles of `width` on grid y
+_GRID_Y_MAX = 65535  # the kernels put column tiles of `width` on grid y
+_ROW_COLS = 2048  # columns one CTA of the row copy moves (kernels/rows.py)
 
 
 def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -27,6 +34,47 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
         arch = split.helper_arch(x.device)
         split.compiled_once(("transpose32", arch), lambda: _compile(arch))(x, out)
     return out
+
+
+def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """[..., width] contiguous with out[..., c] = x[..., c] (zero for c past x's last dim),
+    from a CUDA 16-bit x whose last dim has unit stride and whose leading dims fold into
+    rows; None when the kernel does not apply (the caller copies)."""
+    if (not split._kernels_on() or x.element_size() != 2 or x.device.type != "cuda"
+            or x.dim() < 2 or (x.stride(-1) != 1 and x.shape[-1] > 1)
+            or -(-width // _ROW_COLS) > _GRID_Y_MAX or x.data_ptr() % 2):
+        return None
+    try:
+        x2 = x.view(-1, x.shape[-1])  # no copy: None below when the rows do not fold
+    except RuntimeError:
+        return None
+    out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    if out.numel():
+        arch = split.helper_arch(x.device)
+        split.compiled_once(("rows16", arch), lambda: _compile_rows(arch))(
+            x2.view(torch.int16), out.view(-1, width).view(torch.int16))
+    return out
+
+
+def unpadded(c: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `c`, a view of the first columns of padded rows."""
+    out = rows(c, c.shape[-1])
+    return c.contiguous() if out is None else out
+
+
+def _compile_rows(arch: str):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .kernels.rows import CopyRows
+
+    r, c, width = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    x = make_fake_tensor(cutlass.Int16, (r, c), stride=(cute.sym_int64(), 1), assumed_align=2)
+    out = make_fake_tensor(cutlass.Int16, (r, width), stride=(cute.sym_int64(), 1),
+                           assumed_align=2)
+    return cute.compile(CopyRows(), x, out, make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def _compile(arch: str):
