@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry, split, staging
+from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
                    max_clusters_for, stage_k_major)
@@ -143,7 +143,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     else:
         c = torch.empty((lb, m, n), dtype=out_dtype, device=a.device)
     launch_on(a.device, _launch, plan, a, b, c, bias, lb)
-    return staging.unpadded(c) if plan.pad_cols else c
+    return c.contiguous() if plan.pad_cols else c
 
 
 def _launch(plan, a, b, c, bias, lb):

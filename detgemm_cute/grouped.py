@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry, staging
+from . import dispatch, registry
 from .batched import _inner_unit
 from .gemm import (_ALIGN, _NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_for,
                    stage_k_major)
@@ -116,7 +116,7 @@ def _run(plan, x, w, offs, out_dtype):
     if t:
         launch_on(x.device, plan.fn, x, w, out, offs if offs.stride(0) == 1 else
                   offs.contiguous(), plan.max_clusters)
-    return staging.unpadded(out) if plan.pad_cols else out
+    return out.contiguous() if plan.pad_cols else out
 
 
 registry.on_change(_plans.clear)

@@ -4,10 +4,9 @@
   fp32 weight used as [K, N] (dX's W, mm's B) is copied into a K-major [N, K'] buffer.
   PyTorch's strided `copy_` of a transposed view runs at about a third of the copy
   bandwidth; the tiled kernel reads and writes whole 128-byte rows.
-- `rows` / `unpadded` (`kernels/rows.py`): 16-bit rows whose starts TMA cannot address (an
-  odd K) copied into rows padded with zeros to a multiple of 8, and a result stored into
-  padded rows copied back to its true width. PyTorch's copy of these views runs at about
-  half the copy bandwidth.
+- `rows` (`kernels/rows.py`): 16-bit rows whose starts TMA cannot address (an odd K) copied
+  into rows padded with zeros to a multiple of 8. PyTorch's copy into the padded buffer
+  runs at about half the copy bandwidth.
 
 ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import, as for the fp32 split) falls back to
 PyTorch's copies. The bits are the same either way: a copy.
@@ -19,8 +18,7 @@ import torch
 
 from . import split
 
-_GRID_Y_MAX = 65535  # the kernels put column tiles of `width` on grid y
-_ROW_COLS = 2048  # columns one CTA of the row copy moves (kernels/rows.py)
+_GRID_Y_MAX = 65535  # the transpose kernel puts 32-wide tiles of `width` on grid y
 
 
 def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -39,10 +37,11 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
 def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
     """[..., width] contiguous with out[..., c] = x[..., c] (zero for c past x's last dim),
     from a CUDA 16-bit x whose last dim has unit stride and whose leading dims fold into
-    rows; None when the kernel does not apply (the caller copies)."""
+    rows, `width` a multiple of 8; None when the kernel does not apply (the caller copies)."""
     if (not split._kernels_on() or x.element_size() != 2 or x.device.type != "cuda"
+            or width % 8
             or x.dim() < 2 or (x.stride(-1) != 1 and x.shape[-1] > 1)
-            or -(-width // _ROW_COLS) > _GRID_Y_MAX or x.data_ptr() % 2):
+            or x.data_ptr() % 2):
         return None
     try:
         x2 = x.view(-1, x.shape[-1])  # no copy: None below when the rows do not fold
@@ -56,12 +55,6 @@ def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
     return out
 
 
-def unpadded(c: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `c`, a view of the first columns of padded rows."""
-    out = rows(c, c.shape[-1])
-    return c.contiguous() if out is None else out
-
-
 def _compile_rows(arch: str):
     import cutlass
     import cutlass.cute as cute
@@ -71,8 +64,8 @@ def _compile_rows(arch: str):
 
     r, c, width = cute.sym_int(), cute.sym_int(), cute.sym_int()
     x = make_fake_tensor(cutlass.Int16, (r, c), stride=(cute.sym_int64(), 1), assumed_align=2)
-    out = make_fake_tensor(cutlass.Int16, (r, width), stride=(cute.sym_int64(), 1),
-                           assumed_align=2)
+    out = make_fake_tensor(cutlass.Int16, (r, width), stride=(cute.sym_int64(divisibility=8), 1),
+                           assumed_align=16)
     return cute.compile(CopyRows(), x, out, make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=f"--enable-tvm-ffi --gpu-arch {arch}")
 

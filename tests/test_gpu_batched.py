@@ -220,12 +220,10 @@ def test_mode_routes_batched_ops(family):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(777, 777), (1, 5), (70001, 3), (96, 333, 333),
                                    (2, 5000, 4099)])
-def test_staging_rows_pads_unaligned_rows_and_unpads(shape, dtype):
+def test_staging_rows_pads_unaligned_rows(shape, dtype):
     """The 16-bit row copy: rows that do not start on 16 bytes (odd K, batches folded into
     rows, more rows than one grid dimension of 65535) copied into zero-padded rows of a
-    multiple of 8, and a view of padded rows copied back to its width: bit-exact copies."""
-    from detgemm_cute import staging
-
+    multiple of 8, bit-exact, and the GEMM on them is the GEMM on the original rows."""
     x = rand(*shape, dtype=dtype)
     k = shape[-1]
     kp = -(-k // 8) * 8
@@ -233,5 +231,6 @@ def test_staging_rows_pads_unaligned_rows_and_unpads(shape, dtype):
     want = torch.zeros(*shape[:-1], kp, dtype=dtype, device="cuda")
     want[..., :k] = x
     assert out.shape == want.shape and out.is_contiguous() and same_bits(out, want)
-    back = staging.unpadded(out[..., :k])
-    assert back.is_contiguous() and same_bits(back, x)
+    if x.dim() == 3 and k > 8:  # p @ v with odd K: staged inside bmm
+        v = rand(shape[0], k, 64, dtype=dtype)
+        assert same_bits(dg.bmm(x, v)[1], dg.mm(x[1], v[1]))
