@@ -13,7 +13,6 @@ have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
 """
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -22,10 +21,11 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import batched, dispatch, registry
+from detgemm_cute import batched, dispatch
 from detgemm_cute.benchlib import gpu
-from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
+from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for
 from detgemm_cute.gemm import stage_k_major
+from sweep_common import candidate_layer, time_candidates, write_records
 
 BF16 = torch.bfloat16
 # (name, query heads, head_dim): public configs; "/tpN": heads sharded N ways.
@@ -34,26 +34,15 @@ MODELS = [("llama3-8b", 32, 128), ("qwen2.5-7b", 28, 128), ("gemma2-9b", 16, 256
           ("mistral-7b/tp2", 16, 128), ("llama3-70b/tp8", 8, 128)]
 SEQS = (128, 333, 512, 777, 1024, 1500, 2048, 3000, 4096)
 TOKENS = 8192  # batch x sequence of a prefill batch (the batch at most 64)
-CANDIDATES = [  # (tile, cluster, stages, persistent, pingpong)
-    ((64, 64, 64), (1, 1), 4, True, False), ((64, 128, 64), (1, 1), 4, False, False),
-    ((64, 128, 64), (1, 1), 4, True, False), ((64, 256, 64), (1, 1), 4, True, False),
-    ((128, 64, 64), (1, 1), 6, True, False), ((128, 128, 64), (1, 1), 4, False, False),
-    ((128, 128, 64), (1, 1), 4, True, False), ((128, 128, 64), (1, 1), 4, True, True),
-    ((128, 128, 64), (2, 1), 4, True, False), ((128, 192, 64), (1, 1), 4, True, False),
-    ((128, 256, 64), (1, 1), 3, False, False), ((64, 64, 128), (1, 1), 4, False, False)]
-
-
-def candidate_layer(path: Path) -> list[str]:
-    """Write the candidates as alternatives of one bmm bucket; their bucket names."""
-    alts = "".join(f"      - {{tile: {list(t)}, cluster: {list(c)}, stages: {s}, "
-                   f"persistent: {str(p).lower()}, pingpong: {str(pp).lower()}, "
-                   f"cost: [{int(i > 0)}, 0, 0, 0]}}\n"
-                   for i, (t, c, s, p, pp) in enumerate(CANDIDATES))
-    path.write_text("arch: sm90\nbuckets:\n  - name: bcand\n    op: bmm\n"
-                    "    dtypes: [bf16, fp16]\n    m: [1, null]\n    sms: 132\n"
-                    "    alternatives:\n" + alts)
-    layer = registry.add_config(path)
-    return [b.name for b in layer.buckets]
+CANDIDATES = [
+    {"tile": t, "cluster": c, "stages": s, "persistent": p, "pingpong": pp}
+    for t, c, s, p, pp in (
+        ((64, 64, 64), (1, 1), 4, True, False), ((64, 128, 64), (1, 1), 4, False, False),
+        ((64, 128, 64), (1, 1), 4, True, False), ((64, 256, 64), (1, 1), 4, True, False),
+        ((128, 64, 64), (1, 1), 6, True, False), ((128, 128, 64), (1, 1), 4, False, False),
+        ((128, 128, 64), (1, 1), 4, True, False), ((128, 128, 64), (1, 1), 4, True, True),
+        ((128, 128, 64), (2, 1), 4, True, False), ((128, 192, 64), (1, 1), 4, True, False),
+        ((128, 256, 64), (1, 1), 3, False, False), ((64, 64, 128), (1, 1), 4, False, False))]
 
 
 def problems(models, seqs):
@@ -156,7 +145,7 @@ def main() -> int:
     table = {(m, n, k): dispatch.lookup("bmm", "bf16", "sm90", m, n, k).name
              for _, lb, s, d in probs for _, m, k, n in shapes_of(lb, s, d)}
     with tempfile.TemporaryDirectory() as tmp:
-        names = candidate_layer(Path(tmp) / "candidates.yaml")
+        names = candidate_layer(Path(tmp) / "candidates.yaml", "bmm", "bcand", CANDIDATES)
     if args.jobs > 1:
         precompile(names, probs, args.jobs, lambda m: print(m, flush=True))
     l2 = gpu.l2_bytes()
@@ -173,13 +162,10 @@ def main() -> int:
             if kind == "pv" and k % 8:
                 fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
                 fns["aligned_gemm"] = aligned_gemm(names[0])
-            res = time_units(fns, sets, PLAN, cap)
-            us = {nm: r.get("us") for nm, r in res.items()}
+            us, errors, best = time_candidates(fns, sets, PLAN, cap, names)
             ok = check_bits(names, sets[0])
             row = {"model": model, "kind": kind, "L": lb, "M": m, "K": k, "N": n, "us": us,
-                   "bits_ok": ok, "table": table[(m, n, k)],
-                   "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
-            best = min((v, nm) for nm, v in us.items() if v and nm in names)
+                   "bits_ok": ok, "table": table[(m, n, k)], "errors": errors}
             peer = us.get("torch_bmm") or float("nan")
             split_us = (f"  copy {us.get('stage_copy') or 0:.1f} aligned "
                         f"{us.get('aligned_gemm') or 0:.1f}" if "stage_copy" in us else "")
@@ -188,10 +174,7 @@ def main() -> int:
                   f"{peer / best[0]:.2f}x  bits {ok}{split_us}", flush=True)
             rows.append(row)
             del sets
-    meta = gpu.device_meta()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "candidates": names, "rows": rows},
-                                         indent=1))
+    write_records(args.out, names, rows)
     return 0
 
 

@@ -13,7 +13,6 @@ one group's rows the bits of `dg.mm` on them.
 """
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -23,10 +22,10 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import registry
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
-from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for, time_units
+from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for
+from sweep_common import candidate_layer, time_candidates, write_records
 
 BF16 = torch.bfloat16
 # (name, experts, top-k, hidden, expert ffn): public configs; "/tpN": ffn sharded N ways,
@@ -37,22 +36,11 @@ MODELS = [("mixtral-8x7b", 8, 2, 4096, 14336), ("mixtral-8x7b/tp2", 8, 2, 4096, 
           ("olmoe-1b-7b", 64, 8, 2048, 1024), ("gpt-oss-20b", 32, 4, 2880, 2880),
           ("qwen3-235b-a22b/ep4", 32, 8, 4096, 1536), ("deepseek-v3/ep8", 32, 8, 7168, 2048)]
 TOKENS = (64, 256, 1000, 4096, 12000)
-CANDIDATES = [  # (tile, cluster, stages): persistent, cooperative (the grouped kernel)
-    ((64, 256, 64), (1, 1), 5), ((64, 256, 64), (1, 2), 5), ((64, 128, 64), (1, 1), 8),
-    ((128, 256, 64), (1, 2), 4), ((128, 256, 64), (1, 1), 4), ((128, 192, 64), (1, 2), 4),
-    ((128, 128, 64), (1, 2), 6), ((128, 128, 64), (1, 1), 6), ((256, 128, 64), (1, 2), 4)]
-
-
-def candidate_layer(path: Path) -> list[str]:
-    """Write the candidates as alternatives of one grouped bucket; their bucket names."""
-    alts = "".join(f"      - {{tile: {list(t)}, cluster: {list(c)}, stages: {s}, "
-                   f"persistent: true, cost: [{int(i > 0)}, 0, 0, 0]}}\n"
-                   for i, (t, c, s) in enumerate(CANDIDATES))
-    path.write_text("arch: sm90\nbuckets:\n  - name: gcand\n    op: grouped\n"
-                    "    dtypes: [bf16, fp16]\n    m: [1, null]\n    sms: 132\n"
-                    "    alternatives:\n" + alts)
-    layer = registry.add_config(path)
-    return [b.name for b in layer.buckets]
+CANDIDATES = [  # persistent, cooperative (the grouped kernel)
+    {"tile": t, "cluster": c, "stages": s, "persistent": True} for t, c, s in (
+        ((64, 256, 64), (1, 1), 5), ((64, 256, 64), (1, 2), 5), ((64, 128, 64), (1, 1), 8),
+        ((128, 256, 64), (1, 2), 4), ((128, 256, 64), (1, 1), 4), ((128, 192, 64), (1, 2), 4),
+        ((128, 128, 64), (1, 2), 6), ((128, 128, 64), (1, 1), 6), ((256, 128, 64), (1, 2), 4))]
 
 
 def problems(models, tokens):
@@ -122,7 +110,7 @@ def main() -> int:
         return 1
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        names = candidate_layer(Path(tmp) / "candidates.yaml")
+        names = candidate_layer(Path(tmp) / "candidates.yaml", "grouped", "gcand", CANDIDATES)
     plan = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                       warm_replays=1, est_min_ms=0.3)
     gen = torch.Generator().manual_seed(0)
@@ -139,24 +127,19 @@ def main() -> int:
         fns["torch_grouped_mm"] = lambda s: torch._grouped_mm(s[0], s[1], s[2])
         fns["torch_loop"] = torch_loop
         fns["lt_loop"] = lt_loop
-        res = time_units(fns, sets, plan, cap)
-        us = {nm: r.get("us") for nm, r in res.items()}
+        us, errors, best = time_candidates(fns, sets, plan, cap, names)
         ok = check_bits(names, sets[0])
         row = {"model": model, "experts": experts, "topk": topk, "tokens": tokens,
                "rows": tokens * topk, "proj": proj, "K": k, "N": n,
                "m_avg": math.ceil(tokens * topk / experts), "us": us, "bits_ok": ok,
-               "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
-        best = min((v, nm) for nm, v in us.items() if v and nm in names)
+               "errors": errors}
         peer = min(v for nm, v in us.items() if v and nm not in names)
         print(f"{model:22s} T={tokens:6d} {proj:4s} m_avg={row['m_avg']:5d} K={k:5d} N={n:5d} "
               f"best {best[1].split('.', 1)[1]:24s} {best[0]:8.1f} us  torch best {peer:8.1f}"
               f"  {peer / best[0]:.2f}x  bits {ok}", flush=True)
         rows.append(row)
         del sets
-    meta = gpu.device_meta()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "candidates": names, "rows": rows},
-                                         indent=1))
+    write_records(args.out, names, rows)
     return 0
 
 

@@ -1,0 +1,40 @@
+"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`) share: the candidates
+declared as the alternatives of one user bucket (so each is forced by name), one timed row
+of candidates and peers, and the records file."""
+
+import json
+from pathlib import Path
+
+from detgemm_cute import registry
+from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.timing import time_units
+from detgemm_cute.tune.layer import yaml_value
+
+
+def candidate_layer(path: Path, op: str, name: str, candidates) -> list[str]:
+    """Write `candidates` (dicts of kernel fields: tile, cluster, stages, persistent, ...) as
+    the alternatives of one bucket `name` serving every M of `op`, add the layer, and return
+    the alternatives' bucket names (the first one is the bucket's default)."""
+    alts = "".join("      - {" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in c.items())
+                   + f", cost: [{int(i > 0)}, 0, 0, 0]}}\n" for i, c in enumerate(candidates))
+    path.write_text(f"arch: sm90\nbuckets:\n  - name: {name}\n    op: {op}\n"
+                    "    dtypes: [bf16, fp16]\n    m: [1, null]\n    sms: 132\n"
+                    "    alternatives:\n" + alts)
+    layer = registry.add_config(path)
+    return [b.name for b in layer.buckets]
+
+
+def time_candidates(fns: dict, sets, plan, cap_stream, names):
+    """Time every call of `fns` on `sets` in one interleaved `time_units` run: ({name: us},
+    {name: error}, (best candidate's us, its name))."""
+    res = time_units(fns, sets, plan, cap_stream)
+    us = {nm: r.get("us") for nm, r in res.items()}
+    errors = {nm: r["error"] for nm, r in res.items() if "error" in r}
+    return us, errors, min((v, nm) for nm, v in us.items() if v and nm in names)
+
+
+def write_records(out: str, names, rows) -> None:
+    """The sweep's JSON: the device, the candidates' names, one row per problem."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"meta": gpu.device_meta(), "candidates": names,
+                                     "rows": rows}, indent=1))
