@@ -59,6 +59,32 @@ def test_features_by_hand():
     assert wave_cost.features((128, 224, 64), (1, 1), False, 896, 8192, 640, 132)[3] == 2.0
 
 
+def test_clusters_of_four_and_eight_fit_fewer_than_sms_over_size():
+    """A cluster stays inside one GPC: a 132-SM H100 holds 30 clusters of 4 and 15 of 8 at
+    once (the driver's count), so 128 tiles on 2 x 2 clusters (32 clusters) take two waves,
+    and 120 tiles on 4 x 2 clusters (15) one; other GPUs fall back to SMs / size."""
+    assert [wave_cost.cluster_slots(132, s) for s in (1, 2, 4, 8)] == [132, 66, 30, 15]
+    assert wave_cost.cluster_slots(108, 4) == 27 and wave_cost.cluster_slots(1, 8) == 1
+    # dx 960 x 2048 <- 3584 swapped onto 128x128 tiles, 2 x 2: 16 x 8 tiles, 32 clusters
+    f = wave_cost.features((128, 128, 64), (2, 2), True, 960, 2048, 3584, 132)
+    assert f[3] == 2.0 and f[2] == pytest.approx(2 * 56 * 120 / 132)
+    # 1234 x 768 on 64x128 tiles, 4 x 2, swapped: 12 x 10 tiles in 3 x 5 = 15 clusters
+    assert wave_cost.features((64, 128, 64), (4, 2), True, 1234, 768, 3072, 132)[3] == 1.0
+
+
+def test_row_copy_staging_is_for_16_bit_cuda_rows_only():
+    """The row-copy kernel takes 16-bit CUDA rows; anything else is left to PyTorch's copy
+    (None), and the CPU path of stage_k_major pads with zeros."""
+    import torch
+
+    from detgemm_cute import gemm, staging
+
+    x = torch.randn(5, 777).bfloat16()
+    assert staging.rows(x, 784) is None and staging.rows(x.float(), 784) is None
+    out = gemm.stage_k_major(x, True)
+    assert out.shape == (5, 784) and torch.equal(out[:, :777], x) and not out[:, 777:].any()
+
+
 def test_traffic_term_sees_the_weight_read_per_tile_over_m():
     # M = 176 on swapped tiles: one 192-wide tile over M reads the weight once, two 112-wide
     # ones read it twice; the wave terms alone favour the two (twice the SMs busy)
