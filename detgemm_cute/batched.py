@@ -22,7 +22,7 @@ from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   max_clusters_for, stage_k_major)
+                   max_clusters_for, padded_width, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -63,9 +63,7 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
         b_unit = b_unit if b_unit == "first" else None
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
-    n = b.shape[2]
-    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
-    pad_cols = -(-n // el) * el if n % el else 0
+    pad_cols = padded_width(b.shape[2], out_dtype)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,

@@ -132,6 +132,13 @@ def max_clusters_for(device: torch.device, cluster) -> int:
                           else torch.cuda.current_device(), cluster[0] * cluster[1])
 
 
+def padded_width(n: int, out_dtype: torch.dtype) -> int:
+    """The row width (a multiple of 16 bytes) an output of `n` columns is written into when
+    its rows cannot start on 16 bytes for TMA; 0 when they can (no padding, no copy out)."""
+    el = _ALIGN // out_dtype.itemsize
+    return -(-n // el) * el if n % el else 0
+
+
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
     [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. Rows already
@@ -213,8 +220,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             b_form_eff, b_contig = "nk", "last"
         else:
             b_form_eff = b_form
-    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
-    pad_cols = -(-n // el) * el if n % el else 0
+    pad_cols = padded_width(n, out_dtype)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
@@ -404,6 +410,8 @@ def launch_on(device: torch.device, fn, *args) -> None:
             fn(*args)
     else:
         fn(*args)
+
+
 registry.on_change(_plans.clear)
 
 __all__ = ["gemm", "checked_gemm", "force_bucket", "use_family", "arch_of", "_MAX_DIM"]

@@ -20,8 +20,8 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry
 from .batched import _inner_unit
-from .gemm import (_ALIGN, _NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_for,
-                   stage_k_major)
+from .gemm import (_NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_for,
+                   padded_width, stage_k_major)
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
 _plans: dict = {}
@@ -56,8 +56,6 @@ def _bucket(x, w):
 def _make_plan(bucket, x, w, out_dtype):
     a_unit = "last" if _inner_unit(x.unsqueeze(0)) == "last" else None
     b_unit = _inner_unit(w)
-    el = _ALIGN // torch.empty((), dtype=out_dtype).element_size()
-    n = w.shape[2]
     b_form, b_contig = ("nk", "last") if b_unit is None else ("kn", b_unit)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=_NAMES[x.dtype], out_dtype=_NAMES[out_dtype], a_major="k",
@@ -65,7 +63,7 @@ def _make_plan(bucket, x, w, out_dtype):
         arch=_gpu_arch("sm90", x.device))
     max_clusters = max_clusters_for(x.device, bucket.cluster)
     return _Plan(kcompile.get(key), a_unit is None, b_unit is None,
-                 -(-n // el) * el if n % el else 0, max_clusters)
+                 padded_width(w.shape[2], out_dtype), max_clusters)
 
 
 def _key(x, w, offs, out_dtype):
