@@ -39,9 +39,7 @@ def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
     from a CUDA 16-bit x whose last dim has unit stride and whose leading dims fold into
     rows, `width` a multiple of 8; None when the kernel does not apply (the caller copies)."""
     if (not split._kernels_on() or x.element_size() != 2 or x.device.type != "cuda"
-            or width % 8
-            or x.dim() < 2 or (x.stride(-1) != 1 and x.shape[-1] > 1)
-            or x.data_ptr() % 2):
+            or width % 8 or x.dim() < 2 or x.stride(-1) != 1 or x.data_ptr() % 2):
         return None
     try:
         x2 = x.view(-1, x.shape[-1])  # no copy: None below when the rows do not fold
