@@ -64,10 +64,14 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     pad_cols = padded_width(b.shape[2], out_dtype)
+    arch = arch_of(a.device)
+    c_direct = pad_cols > 0 and dtype != TF32 and arch == "sm90" and bucket.tile[0] >= 64
+    if c_direct:  # rows TMA cannot address, stored element by element (gemm._make_plan)
+        pad_cols = 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
-        arch=_gpu_arch(arch_of(a.device), a.device), batched=True)
+        arch=_gpu_arch(arch, a.device), batched=True, c_direct=c_direct)
     return key, stage_a, stage_b, pad_cols
 
 

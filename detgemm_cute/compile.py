@@ -58,6 +58,10 @@ class KernelKey:
     # Row groups of A and C with their own B ([G, ., .]; grouped_mm's mixture-of-experts
     # form): the kernel takes the groups' int32 cumulative row ends instead of a bias.
     grouped: bool = False
+    # C's rows do not start on 16 bytes (N not a multiple of 8 at 16 bits): the epilogue
+    # stores each element from the accumulators (bounds-checked) instead of a TMA box, so
+    # the output needs no padded buffer and no copy back (sm90, BM >= 64).
+    c_direct: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -104,6 +108,12 @@ def _make_fakes(key: KernelKey):
     b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
     b = fake(in_t, b_shape, key.b_contig == "last", key.batched or key.grouped)
     c = fake(out_t, (m, n), not key.swap_ab)  # swapped: an M-major view of the output
+    if key.c_direct:  # any row stride, any 2-byte-aligned start
+        c_stride = (cute.sym_int64(), 1) if not key.swap_ab else (1, cute.sym_int64())
+        c_shape = (m, n)
+        if key.batched:
+            c_shape, c_stride = (batch, m, n), (cute.sym_int64(), *c_stride)
+        c = make_fake_tensor(out_t, c_shape, stride=c_stride, assumed_align=out_t.width // 8)
     bias_len = m if key.swap_ab else n
     bias = make_fake_tensor(in_t, (bias_len,), stride=(1,), assumed_align=2) \
         if key.has_bias else None
@@ -179,6 +189,11 @@ def _kernel_options(key: KernelKey) -> dict:
         opts["chunked"] = True
     if key.swap_ab:
         opts["bias_on_rows"] = True
+    if key.c_direct:
+        if family_of(key.arch) != "sm90" or key.tile[0] < 64 or key.accumulate:
+            raise ValueError("direct C stores are for sm90 tiles of BM >= 64 without "
+                             "accumulate")
+        opts["c_direct"] = True
     if key.raster_n:
         if family_of(key.arch) != "sm90":
             raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "

@@ -221,10 +221,16 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         else:
             b_form_eff = b_form
     pad_cols = padded_width(n, out_dtype)
+    # Output rows TMA cannot address: SM90 tiles of BM >= 64 store them element by element
+    # (no padded buffer, no copy back); the others write padded rows, copied out after.
+    c_direct = (pad_cols > 0 and acc is None and not split_in and not tf32 and arch == "sm90"
+                and bucket.tile[0] >= 64)
+    if c_direct:
+        pad_cols = 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
-        accumulate=acc is not None, split=bool(split_in), swap_ab=swap)
+        accumulate=acc is not None, split=bool(split_in), swap_ab=swap, c_direct=c_direct)
     max_clusters = max_clusters_for(a.device, bucket.cluster)
     bias_copy = bias is not None and bias.stride(0) != 1
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")

@@ -252,3 +252,36 @@ def test_persistent_grids_fit_the_gpu_s_co_resident_clusters():
         slots = gemm._cluster_slots(0, size)
         assert slots == min(info.get_max_active_clusters(size), sms // size) >= 1
     assert gemm._cluster_slots(0, 2) == sms // 2
+
+
+# One spec per kernel class with BM >= 64: one tile per CTA, persistent, ping-pong, swapped
+# (plain and ping-pong), 256 rows, clusters of four and eight.
+DIRECT = [TILES[8], TILES[11], PINGPONG[0], SWAPPED[1], SWAPPED[2], WIDE[0], WIDE[4],
+          CLUSTER8[0], CLUSTER8[4]]
+
+
+@pytest.mark.parametrize("spec", DIRECT, ids=[_name(*t) for t in DIRECT])
+def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
+    """Outputs whose rows TMA cannot address (a width not a multiple of 8, or of 4 in fp32)
+    are stored element by element from the accumulators, bounds-checked: fwd with bias (bf16
+    and fp32 out), an M-major X, dX of an odd input width, a batch (q @ k^T at an odd
+    sequence length); bits equal the CPU reference's and no poisoned element is left."""
+    k = 200
+    for m, n in [(300, 333), (77, 1001), (1000, 77)]:
+        x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
+        xc, wc, bc = x.cpu(), w.cpu(), b.cpu()
+        got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
+        assert same_bits(got.cpu(), reference.linear(xc, wc, bc)), (m, n)
+        got = _forced("fwd", spec, lambda: dg.linear(x, w, b, out_dtype=torch.float32))
+        assert same_bits(got.cpu(), reference.linear(xc, wc, bc, torch.float32)), (m, n)
+        xt = x.t().contiguous().t()  # M-major X
+        got = _forced("fwd", spec, lambda: dg.mm(xt, w.t()))
+        assert same_bits(got.cpu(), reference.mm(xc, wc.t())), (m, n)
+        w_odd = rand(n, 333)  # dX [m, 333]
+        got = _forced("dx", spec, lambda: grads.input_grad(dy, w_odd))
+        assert same_bits(got.cpu(), reference.mm(dy.cpu(), w_odd.cpu())), (m, n)
+    if (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]:  # bmm buckets
+        q, kt = rand(5, 333, 64), rand(5, 333, 64).transpose(1, 2)
+        got = _forced("bmm", spec, lambda: dg.bmm(q, kt))
+        for i in range(5):
+            assert same_bits(got[i].cpu(), reference.mm(q[i].cpu(), kt[i].cpu())), i

@@ -67,8 +67,11 @@ class Sm90Base:
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
-                 raster_n: bool = False):
+                 raster_n: bool = False, c_direct: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        # C's rows are not 16-byte aligned (an output width TMA cannot address): each thread
+        # stores its elements from the accumulators, bounds-checked, instead of a TMA box.
+        self.c_direct = c_direct
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
         self.accumulate = accumulate
@@ -169,9 +172,11 @@ class Sm90Base:
 
         tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
         tma_atom_b, tma_b = self._tma_load(mB, b_smem, (bn, bk), self.cluster_shape_mn[0])
-        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
-            cute.slice_(epi_store, (None, None, 0)), self.store_tile)
+        tma_atom_c, tma_c = None, mC
+        if cutlass.const_expr(not self.c_direct):
+            tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
+                cute.slice_(epi_store, (None, None, 0)), self.store_tile)
 
         self.shared_storage = self._shared_storage(a_smem, b_smem, epi_smem)
         grid, extra_args, extra_launch = self._schedule(mC, mOffs, max_clusters)
@@ -430,11 +435,16 @@ class Sm90Base:
 
     @cute.jit
     def _tile_c(self, mC_mn, place):
-        """The output tile of C at `place`, moved like its loads."""
+        """The output tile of C at `place`, moved like its loads; with `c_direct`, (tile, rows
+        and columns of C from the tile's start) for the bounds-checked stores."""
         bm, bn, _ = self.tile_shape_mnk
         gC = cute.local_tile(cute.domain_offset((place.off_m, place.off_n, 0), mC_mn),
                              (bm, bn), (None, None, None))  # (BM, BN, tm, tn, L)
-        return gC[(None, None, place.m, place.n, place.l_c)]
+        gC = gC[(None, None, place.m, place.n, place.l_c)]
+        if cutlass.const_expr(self.c_direct):
+            gC = (gC, cute.size(mC_mn, mode=[0]) - (place.m * bm + place.off_m),
+                  cute.size(mC_mn, mode=[1]) - (place.n * bn + place.off_n))
+        return gC
 
     @cute.jit
     def _zero_row_tile_padding(self, storage):
@@ -583,6 +593,18 @@ class Sm90Base:
     @cute.jit
     def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
                   c_pipeline, buf_base, barrier):
+        """Round once to the output dtype, stage through shared memory, TMA-store; with
+        `c_direct` (gC: the tile and C's extent from its start), store from the
+        accumulators."""
+        if cutlass.const_expr(self.c_direct):
+            self._store_rows(acc, tiled_mma.get_slice(mma_tidx), *gC)
+        else:
+            self._epilogue_tma(acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
+                               c_pipeline, buf_base, barrier)
+
+    @cute.jit
+    def _epilogue_tma(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
+                      c_pipeline, buf_base, barrier):
         """Round once to the output dtype, stage through shared memory, TMA-store."""
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
@@ -625,7 +647,8 @@ class Sm90Base:
     def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):
         """Round once to the output dtype and store this thread's elements of the first
         `rows` rows and `cols` columns of tile gC straight from the accumulators (a grouped
-        tile of a group shorter than BM: a TMA box cannot stop at the group's end)."""
+        tile of a group shorter than BM: a TMA box cannot stop at the group's end; every
+        tile with `c_direct`: C's rows are not 16-byte aligned)."""
         tCgC = thr_mma_thread.partition_C(gC)
         tCcC = thr_mma_thread.partition_C(
             cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1])))
