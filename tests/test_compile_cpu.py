@@ -62,3 +62,29 @@ def test_first_use_compile_is_thread_safe(monkeypatch):
         t.join()
     kcompile._compiled.pop(key, None)
     assert len(built) == 1 and len(got) == 8 and all(g is got[0] for g in got)
+
+
+@pytest.mark.parametrize("tile, cluster, persistent, batched, swap", [
+    ((128, 128, 64), (1, 1), False, False, False),
+    ((128, 192, 64), (2, 1), True, True, False),
+    ((64, 128, 64), (1, 1), False, False, True)])
+def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluster, persistent,
+                                                          batched, swap):
+    """Outputs whose rows TMA cannot address (`c_direct`): the kernel still loads with TMA
+    and multiplies with WGMMA, but stores C from registers (st.global), with no bulk tensor
+    store; keys the direct store cannot serve are refused before compiling."""
+    import re
+
+    from detgemm_cute import compile as kcompile
+
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=4, persistent=persistent,
+                             dtype="bf16", out_dtype="bf16", a_major="k", b_form="nk",
+                             b_contig="last", has_bias=not batched, arch="sm_90a",
+                             batched=batched, swap_ab=swap, c_direct=True)
+    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    assert aot.audit_ptx(ptx) == []
+    assert re.search(r"st\.global", ptx)
+    assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
+    with pytest.raises(ValueError, match="direct C stores"):
+        kcompile.build(kcompile.KernelKey(**{**key.__dict__, "tile": (32, 128, 64)}))
