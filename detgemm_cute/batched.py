@@ -22,7 +22,7 @@ from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   max_clusters_for, padded_width, stage_k_major)
+                   max_clusters_for, padded_width, stage_k_major, stores_direct)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -65,8 +65,8 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     pad_cols = padded_width(b.shape[2], out_dtype)
     arch = arch_of(a.device)
-    c_direct = pad_cols > 0 and dtype != TF32 and arch == "sm90" and bucket.tile[0] >= 64
-    if c_direct:  # rows TMA cannot address, stored element by element (gemm._make_plan)
+    c_direct = stores_direct(pad_cols, arch, bucket, dtype != TF32)
+    if c_direct:
         pad_cols = 0
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"

@@ -139,6 +139,13 @@ def padded_width(n: int, out_dtype: torch.dtype) -> int:
     return -(-n // el) * el if n % el else 0
 
 
+def stores_direct(pad_cols: int, arch: str, bucket, plain: bool) -> bool:
+    """Whether an output whose rows TMA cannot address (`pad_cols` > 0) is stored by the
+    kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no split
+    parts, no TF32, no accumulate) instead of into padded rows that are copied out after."""
+    return pad_cols > 0 and plain and arch == "sm90" and bucket.tile[0] >= 64
+
+
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
     [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. Rows already
@@ -223,8 +230,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     pad_cols = padded_width(n, out_dtype)
     # Output rows TMA cannot address: SM90 tiles of BM >= 64 store them element by element
     # (no padded buffer, no copy back); the others write padded rows, copied out after.
-    c_direct = (pad_cols > 0 and acc is None and not split_in and not tf32 and arch == "sm90"
-                and bucket.tile[0] >= 64)
+    c_direct = stores_direct(pad_cols, arch, bucket, acc is None and not split_in and not tf32)
     if c_direct:
         pad_cols = 0
     key = kcompile.KernelKey.for_bucket(

@@ -594,18 +594,48 @@ class Sm90Base:
     def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
                   c_pipeline, buf_base, barrier):
         """Round once to the output dtype, stage through shared memory, TMA-store; with
-        `c_direct` (gC: the tile and C's extent from its start), store from the
-        accumulators."""
+        `c_direct` (gC: the tile and C's extent from its start), the tile's threads store
+        the staged sub-tiles instead (`_store_staged`)."""
+        r2s, tRS_sD, tRS_rAcc, tRS_rD, out = self._staging(acc, tiled_mma, mma_tidx, sC)
+        n_rd = cute.size(tRS_rD)
         if cutlass.const_expr(self.c_direct):
-            self._store_rows(acc, tiled_mma.get_slice(mma_tidx), *gC)
-        else:
-            self._epilogue_tma(acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
-                               c_pipeline, buf_base, barrier)
+            gC, rows, cols = gC
+        gC_epi = cute.zipped_divide(gC, self.store_tile)
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        sC_store = sC
+        if cutlass.const_expr(self.row_tile):
+            sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
+        bSG_sD, bSG_gD = None, None
+        if cutlass.const_expr(not self.c_direct):
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
+        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+            for v in cutlass.range_constexpr(n_rd):
+                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
+            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
+            buf = (buf_base + epi_idx) % self.epi_stage
+            cute.copy(r2s, out, tRS_sD[(None, None, None, buf)])
+            coord = epi_layout.get_hier_coord(epi_idx)
+            if cutlass.const_expr(self.c_direct):
+                barrier.arrive_and_wait()
+                self._store_staged(sC_store[(None, None, buf)],
+                                   cute.local_tile(gC, self.store_tile, coord),
+                                   rows - coord[0] * self.store_tile[0],
+                                   cols - coord[1] * self.store_tile[1], mma_tidx)
+            else:
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
+                if is_store_warp:
+                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, coord)])
+                    c_pipeline.producer_commit()
+                    c_pipeline.producer_acquire()
+            barrier.arrive_and_wait()
 
     @cute.jit
-    def _epilogue_tma(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
-                      c_pipeline, buf_base, barrier):
-        """Round once to the output dtype, stage through shared memory, TMA-store."""
+    def _staging(self, acc, tiled_mma, mma_tidx, sC):
+        """The register-to-shared copy of the epilogue: (tiled copy, this thread's share of
+        sC's buffers, its accumulators retiled, fp32 and output-dtype sub-tile fragments)."""
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
         copy_atom_c = cute.make_copy_atom(
@@ -613,35 +643,27 @@ class Sm90Base:
         tiled_copy_r2s = cute.make_tiled_copy_S(
             copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-        tRS_sD = thr_copy_r2s.partition_D(sC)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
-        rD_layout = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3])
-        tRS_rD = cute.make_rmem_tensor(rD_layout.shape, self.acc_dtype)
-        out = cute.make_rmem_tensor(rD_layout.shape, self.c_dtype)
-        n_rd = cute.size(tRS_rD)
+        rD_shape = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3]).shape
+        return (tiled_copy_r2s, thr_copy_r2s.partition_D(sC), tiled_copy_r2s.retile(acc),
+                cute.make_rmem_tensor(rD_shape, self.acc_dtype),
+                cute.make_rmem_tensor(rD_shape, self.c_dtype))
 
-        gC_epi = cute.zipped_divide(gC, self.store_tile)
-        sC_store = sC
-        if cutlass.const_expr(self.row_tile):
-            sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
-        epi_shape = gC_epi.shape[1]
-        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
-            for v in cutlass.range_constexpr(n_rd):
-                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
-            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
-            buf = (buf_base + epi_idx) % self.epi_stage
-            cute.copy(tiled_copy_r2s, out, tRS_sD[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            barrier.arrive_and_wait()
-            if is_store_warp:
-                cute.copy(tma_atom_c, bSG_sD[(None, buf)],
-                          bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
-                c_pipeline.producer_commit()
-                c_pipeline.producer_acquire()
-            barrier.arrive_and_wait()
+    @cute.jit
+    def _store_staged(self, sD, gD, rows, cols, tidx):
+        """Store one staged sub-tile sD to gD, its first `rows` x `cols` elements: the tile's
+        threads walk C's contiguous dimension together, so each warp's stores land on one
+        run of consecutive elements (a row of C that TMA cannot address)."""
+        em, en = self.store_tile
+        n_major = self.c_layout.is_n_major_c()
+        run = en if cutlass.const_expr(n_major) else em  # elements along the contiguous dim
+        for i in cutlass.range_constexpr(em * en // self.tile_threads):
+            flat = i * self.tile_threads + tidx
+            r, c = flat // run, flat % run
+            if cutlass.const_expr(not n_major):
+                r, c = flat % run, flat // run
+            if r < rows:
+                if c < cols:
+                    gD[(r, c)] = sD[(r, c)]
 
     @cute.jit
     def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):

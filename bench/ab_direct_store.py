@@ -1,0 +1,104 @@
+"""A/B of the direct-store epilogue in one run: outputs whose rows TMA cannot address (a
+width not a multiple of 8 at 16 bits) stored by the kernel's threads ("direct") against
+padded rows copied out after ("padded"), with torch and cuBLASLt (split-K off) as peers.
+Rows: q @ k^T at sequence lengths not a multiple of 8, and linear layers of odd width.
+
+    python bench/ab_direct_store.py --out bench/results
+"""
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+import detgemm_cute as dg
+from detgemm_cute import batched, gemm
+from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.peers import LtNoSplit
+from detgemm_cute.benchlib.timing import BENCH_PLAN, time_units
+
+# (batch x heads, sequence, head_dim): q @ k^T, K a transposed view, as eager attention runs it.
+QK = [(288, 333, 64), (128, 555, 64), (96, 777, 128), (64, 1001, 128), (80, 1500, 64),
+      (80, 1500, 256), (32, 2047, 128), (24, 2500, 128), (16, 3500, 128)]
+# (M, K, N): linear layers of odd output width (GPT-2's vocabulary, padded vocabularies, a
+# classifier head), decode and prefill.
+LINEAR = [(1, 768, 50257), (16, 4096, 32001), (450, 768, 50257), (2048, 768, 50257),
+          (4096, 1024, 50257), (700, 4096, 1001), (3000, 2048, 1001), (777, 5120, 32003)]
+
+
+@contextlib.contextmanager
+def padded_rows():
+    """detgemm with the direct store switched off: padded output rows, copied out after."""
+    saved = gemm.stores_direct
+    gemm.stores_direct = batched.stores_direct = lambda *a: False
+    gemm._plans.clear(), batched._plans.clear()
+    try:
+        yield
+    finally:
+        gemm.stores_direct = batched.stores_direct = saved
+        gemm._plans.clear(), batched._plans.clear()
+
+
+def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None) -> dict:
+    """One row: torch, detgemm padded and direct (and Lt) timed together; bits compared."""
+    def padded(st):
+        with padded_rows():
+            return dg_fn(st)
+    fns = {"torch": torch_fn, "padded": padded, "direct": dg_fn}
+    if lt is not None:
+        def lt_fn(st):
+            with lt:
+                return torch_fn(st)
+        fns["lt"] = lt_fn
+    res = time_units(fns, sets, BENCH_PLAN, cap)
+    bits = [f(sets[0]).view(torch.int16) for f in [dg_fn, padded] + ([fns["lt"]] if lt else [])]
+    return {"op": op, "shape": list(shape), **{k: v.get("us") for k, v in res.items()},
+            "same_bits": all(torch.equal(bits[0], b) for b in bits[1:])}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    cap, bf, lt, rows = torch.cuda.Stream(), torch.bfloat16, LtNoSplit(), []
+    for lb, s, d in QK:
+        sets = [(torch.randn(lb, s, d, device="cuda", dtype=bf),
+                 torch.randn(lb, s, d, device="cuda", dtype=bf).transpose(1, 2))
+                for _ in range(3)]
+        rows.append(timed_row("bmm q@k^T", (lb, s, s, d), lambda st: torch.bmm(*st),
+                              lambda st: dg.bmm(*st), sets, cap))
+        gpu.log(rows[-1])
+    for m, k, n in LINEAR:
+        sets = [(torch.randn(m, k, device="cuda", dtype=bf),
+                 torch.randn(n, k, device="cuda", dtype=bf)) for _ in range(2)]
+        rows.append(timed_row("fwd", (m, k, n), lambda st: torch.mm(st[0], st[1].t()),
+                              lambda st: dg.mm(st[0], st[1].t()), sets, cap, lt))
+        gpu.log(rows[-1])
+    write(rows, Path(args.out))
+
+
+def write(rows, out: Path):
+    meta = gpu.device_meta()
+    lines = [f"# Direct-store epilogue A/B ({meta['device']})", "",
+             "Median us per call (CUDA graphs). direct/padded: padded time / direct time. "
+             "Bits: direct == padded (fwd: and == cuBLASLt split-K off).", "",
+             "| op | shape | torch | Lt | padded | direct | direct/padded | vs torch | vs Lt "
+             "| bits |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lt, direct = r.get("lt"), r["direct"]
+        lines.append(
+            f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['torch']:.1f} | "
+            f"{f'{lt:.1f}' if lt else '-'} | {r['padded']:.1f} | {r['direct']:.1f} | "
+            f"{r['padded'] / r['direct']:.2f}x | {r['torch'] / r['direct']:.2f}x | "
+            f"{f'{lt / direct:.2f}x' if lt else '-'} | "
+            f"{'equal' if r['same_bits'] else 'DIFFER'} |")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"direct-store-ab_{meta['device'].lower().replace(' ', '-')}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
