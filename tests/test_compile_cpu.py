@@ -64,27 +64,37 @@ def test_first_use_compile_is_thread_safe(monkeypatch):
     assert len(built) == 1 and len(got) == 8 and all(g is got[0] for g in got)
 
 
-@pytest.mark.parametrize("tile, cluster, persistent, batched, swap", [
-    ((128, 128, 64), (1, 1), False, False, False),
-    ((128, 192, 64), (2, 1), True, True, False),
-    ((64, 128, 64), (1, 1), False, False, True)])
+@pytest.mark.parametrize("tile, cluster, persistent, pingpong, batched, swap", [
+    ((128, 128, 64), (1, 1), False, False, False, False),
+    ((128, 192, 64), (2, 1), True, False, True, False),
+    ((128, 192, 64), (1, 2), True, True, False, False),
+    ((64, 128, 64), (1, 1), False, False, False, True)])
 def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluster, persistent,
-                                                          batched, swap):
+                                                          pingpong, batched, swap):
     """Outputs whose rows TMA cannot address (`c_direct`): the kernel still loads with TMA
-    and multiplies with WGMMA, but stores C from registers (st.global), with no bulk tensor
-    store; keys the direct store cannot serve are refused before compiling."""
+    and multiplies with WGMMA, but its threads store C (st.global), with no bulk tensor
+    store; with ptxas at hand, nothing spills (a ping-pong warpgroup holds a 128 x 192
+    accumulator); keys the direct store cannot serve are refused before compiling."""
     import re
+    import shutil
+    import subprocess
 
     from detgemm_cute import compile as kcompile
 
     key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=4, persistent=persistent,
-                             dtype="bf16", out_dtype="bf16", a_major="k", b_form="nk",
-                             b_contig="last", has_bias=not batched, arch="sm_90a",
+                             pingpong=pingpong, dtype="bf16", out_dtype="bf16", a_major="k",
+                             b_form="nk", b_contig="last", has_bias=False, arch="sm_90a",
                              batched=batched, swap_ab=swap, c_direct=True)
     fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
     ptx = fn.__ptx__ or ""
     assert aot.audit_ptx(ptx) == []
     assert re.search(r"st\.global", ptx)
     assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
+    if shutil.which("ptxas"):
+        (tmp_path / "k.ptx").write_text(ptx)
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
+        assert info.returncode == 0, info.stderr[-500:]
+        assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
     with pytest.raises(ValueError, match="direct C stores"):
         kcompile.build(kcompile.KernelKey(**{**key.__dict__, "tile": (32, 128, 64)}))

@@ -656,7 +656,9 @@ class Sm90Base:
         em, en = self.store_tile
         n_major = self.c_layout.is_n_major_c()
         run = en if cutlass.const_expr(n_major) else em  # elements along the contiguous dim
-        for i in cutlass.range_constexpr(em * en // self.tile_threads):
+        # Rolled (4 at a time): fully unrolled, the elements' addresses spill a ping-pong
+        # warpgroup's registers (it holds a 128 x 192 accumulator).
+        for i in cutlass.range(em * en // self.tile_threads, unroll=4):
             flat = i * self.tile_threads + tidx
             r, c = flat // run, flat % run
             if cutlass.const_expr(not n_major):
