@@ -142,8 +142,13 @@ def padded_width(n: int, out_dtype: torch.dtype) -> int:
 def stores_direct(pad_cols: int, arch: str, bucket, plain: bool) -> bool:
     """Whether an output whose rows TMA cannot address (`pad_cols` > 0) is stored by the
     kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no split
-    parts, no TF32, no accumulate) instead of into padded rows that are copied out after."""
-    return pad_cols > 0 and plain and arch == "sm90" and bucket.tile[0] >= 64
+    parts, no TF32, no accumulate) instead of into padded rows that are copied out after.
+
+    Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
+    ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 4x slower than the padded rows,
+    bench/results/direct-store-ab_*) and swapped 128-row tiles (12-64 bytes spilled)."""
+    tight = bucket.pingpong or (bucket.swap_ab and bucket.tile[0] > 64)
+    return pad_cols > 0 and plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight
 
 
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:

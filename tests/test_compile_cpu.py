@@ -67,14 +67,14 @@ def test_first_use_compile_is_thread_safe(monkeypatch):
 @pytest.mark.parametrize("tile, cluster, persistent, pingpong, batched, swap", [
     ((128, 128, 64), (1, 1), False, False, False, False),
     ((128, 192, 64), (2, 1), True, False, True, False),
-    ((128, 192, 64), (1, 2), True, True, False, False),
+    ((128, 256, 64), (1, 2), True, False, False, False),
     ((64, 128, 64), (1, 1), False, False, False, True)])
 def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluster, persistent,
                                                           pingpong, batched, swap):
     """Outputs whose rows TMA cannot address (`c_direct`): the kernel still loads with TMA
     and multiplies with WGMMA, but its threads store C (st.global), with no bulk tensor
-    store; with ptxas at hand, nothing spills (a ping-pong warpgroup holds a 128 x 192
-    accumulator); keys the direct store cannot serve are refused before compiling."""
+    store; with ptxas at hand, nothing spills; keys the direct store cannot serve (BM < 64,
+    accumulate) are refused before compiling."""
     import re
     import shutil
     import subprocess
@@ -96,5 +96,27 @@ def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluste
                                str(tmp_path / "k.cubin")], capture_output=True, text=True)
         assert info.returncode == 0, info.stderr[-500:]
         assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
-    with pytest.raises(ValueError, match="direct C stores"):
-        kcompile.build(kcompile.KernelKey(**{**key.__dict__, "tile": (32, 128, 64)}))
+    for refused in ({"tile": (32, 128, 64)}, {"accumulate": True}):
+        with pytest.raises(ValueError, match="direct C stores"):
+            kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
+
+
+def test_direct_store_policy():
+    """Which plans store unaligned output rows directly: SM90 tiles of BM >= 64 with plain
+    operands, not ping-pong or swapped 128-row tiles (their registers are full), and only
+    when the rows need padding at all."""
+    from types import SimpleNamespace
+
+    from detgemm_cute.gemm import stores_direct
+
+    def bucket(tile_m, pingpong=False, swap_ab=False):
+        return SimpleNamespace(tile=(tile_m, 128, 64), pingpong=pingpong, swap_ab=swap_ab)
+
+    assert stores_direct(1008, "sm90", bucket(128), True)
+    assert stores_direct(1008, "sm90", bucket(64, swap_ab=True), True)
+    assert not stores_direct(0, "sm90", bucket(128), True)  # aligned rows: TMA
+    assert not stores_direct(1008, "sm80", bucket(128), True)
+    assert not stores_direct(1008, "sm90", bucket(32), True)
+    assert not stores_direct(1008, "sm90", bucket(128), False)  # split parts, TF32, acc
+    assert not stores_direct(1008, "sm90", bucket(128, pingpong=True), True)
+    assert not stores_direct(1008, "sm90", bucket(128, swap_ab=True), True)

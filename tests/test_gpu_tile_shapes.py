@@ -254,8 +254,8 @@ def test_persistent_grids_fit_the_gpu_s_co_resident_clusters():
     assert gemm._cluster_slots(0, 2) == sms // 2
 
 
-# One spec per kernel class with BM >= 64: one tile per CTA, persistent, ping-pong, swapped
-# (plain and ping-pong), 256 rows, clusters of four and eight.
+# One spec per kernel class with BM >= 64: one tile per CTA, persistent, swapped, 256 rows,
+# clusters of four and eight; ping-pong (plain and swapped), which keeps the padded rows.
 DIRECT = [TILES[8], TILES[11], PINGPONG[0], SWAPPED[1], SWAPPED[2], WIDE[0], WIDE[4],
           CLUSTER8[0], CLUSTER8[4]]
 
@@ -263,9 +263,10 @@ DIRECT = [TILES[8], TILES[11], PINGPONG[0], SWAPPED[1], SWAPPED[2], WIDE[0], WID
 @pytest.mark.parametrize("spec", DIRECT, ids=[_name(*t) for t in DIRECT])
 def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
     """Outputs whose rows TMA cannot address (a width not a multiple of 8, or of 4 in fp32)
-    are stored element by element from the accumulators, bounds-checked: fwd with bias (bf16
-    and fp32 out), an M-major X, dX of an odd input width, a batch (q @ k^T at an odd
-    sequence length); bits equal the CPU reference's and no poisoned element is left."""
+    are stored by the kernel's threads from staged sub-tiles, bounds-checked (ping-pong
+    kernels: padded rows, copied out): fwd with bias (bf16 and fp32 out), an M-major X, dX
+    of an odd input width, a batch (q @ k^T at an odd sequence length); bits equal the CPU
+    reference's and no poisoned element is left."""
     k = 200
     for m, n in [(300, 333), (77, 1001), (1000, 77)]:
         x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)

@@ -656,16 +656,16 @@ class Sm90Base:
         em, en = self.store_tile
         n_major = self.c_layout.is_n_major_c()
         run = en if cutlass.const_expr(n_major) else em  # elements along the contiguous dim
-        # Rolled (4 at a time): fully unrolled, the elements' addresses spill a ping-pong
-        # warpgroup's registers (it holds a 128 x 192 accumulator).
-        for i in cutlass.range(em * en // self.tile_threads, unroll=4):
-            flat = i * self.tile_threads + tidx
-            r, c = flat // run, flat % run
-            if cutlass.const_expr(not n_major):
-                r, c = flat % run, flat // run
-            if r < rows:
-                if c < cols:
-                    gD[(r, c)] = sD[(r, c)]
+        step = self.tile_threads // run  # lines (rows of C, or columns when M-major) a pass
+        lane, line0 = tidx % run, tidx // run
+        # This thread's element of every line: one line of sD/gD, walked by `step`.
+        s_lane, g_lane, lines, lanes = sD[(None, lane)], gD[(None, lane)], rows, cols
+        if cutlass.const_expr(not n_major):
+            s_lane, g_lane, lines, lanes = sD[(lane, None)], gD[(lane, None)], cols, rows
+        if lane < lanes:
+            for i in cutlass.range_constexpr(em * en // self.tile_threads):
+                if line0 + i * step < lines:
+                    g_lane[line0 + i * step] = s_lane[line0 + i * step]
 
     @cute.jit
     def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):
