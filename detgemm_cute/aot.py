@@ -16,6 +16,7 @@ import time
 from . import aot_cache
 from . import compile as kcompile
 from . import registry
+from .gemm import stores_direct
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
 # Per kernel family: (what the audit reports missing, pattern that must occur in the PTX).
@@ -123,6 +124,21 @@ def _variants(bucket, which: str):
                    has_bias=False)
 
 
+def _bucket_keys(bucket, arch: str, which: str):
+    """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
+    direct-store twin of each key whose outputs at an unaligned width the kernel's threads
+    store (`gemm.stores_direct`), so a warmed cache serves those widths too."""
+    family = kcompile.family_of(arch)
+    for call in _variants(bucket, which):
+        key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)
+        yield call, key
+        plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
+                     or call["dtype"] == "tf32")
+        if which == "all" and stores_direct(1, family, bucket, plain):
+            yield {**call, "c_direct": True}, kcompile.KernelKey.for_bucket(
+                bucket, arch=arch, c_direct=True, **call)
+
+
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
     """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
     'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
@@ -153,14 +169,14 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
     t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for b in buckets:
-            for call in _variants(b, variants):
-                key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
+            for call, key in _bucket_keys(b, arch, variants):
                 label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
                          f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
                          + (" acc" if call.get("accumulate") else "")
                          + (" batched" if call.get("batched") else "")
                          + (" grouped" if call.get("grouped") else "")
                          + (" split(fp32)" if call.get("split") else "")
+                         + (" direct-store" if call.get("c_direct") else "")
                          + (" tf32" if call["dtype"] == "tf32" else ""))
                 t0 = time.time()
                 total += 1
@@ -194,10 +210,9 @@ def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
     for b in reg.buckets:
         if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):
             continue
-        for call in _variants(b, variants):
+        for call, key in _bucket_keys(b, arch, variants):
             if dtypes and ("fp32" if call.get("split") else call["dtype"]) not in dtypes:
                 continue
-            key = kcompile.KernelKey.for_bucket(b, arch=arch, **call)
             if key not in seen:
                 seen.add(key)
                 keys.append((b.name, key))

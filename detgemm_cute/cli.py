@@ -188,7 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--ops", help="comma-separated ops (fwd,dx,dw; default all)")
     w.add_argument("--dtypes", help="comma-separated input dtypes (bf16,fp16; default all)")
     w.add_argument("--bucket", action="append", metavar="NAME", help="only this bucket")
-    w.add_argument("--variants", choices=("core", "all"), default="core")
+    w.add_argument("--variants", choices=("core", "all"), default="core",
+                   help="core: the layout each op's calls use; all: every layout, output "
+                        "dtype and bias form, with the direct-store kernels of unaligned widths")
     w.add_argument("--config", action="append", metavar="FILE",
                    help="user config to add first (repeatable)")
     w.add_argument("--aot-dir", metavar="DIR",

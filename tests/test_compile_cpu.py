@@ -120,3 +120,22 @@ def test_direct_store_policy():
     assert not stores_direct(1008, "sm90", bucket(128), False)  # split parts, TF32, acc
     assert not stores_direct(1008, "sm90", bucket(128, pingpong=True), True)
     assert not stores_direct(1008, "sm90", bucket(128, swap_ab=True), True)
+
+
+def test_warmup_all_includes_the_direct_store_twins():
+    """`--variants all` builds, next to each key a direct store can serve, its c_direct twin
+    (so a warmed AOT cache covers unaligned output widths); never for ping-pong, sm80, split
+    parts or accumulate; "core" stays one key per layout."""
+    from detgemm_cute.gemm import stores_direct
+
+    keys = aot.warmup_keys("sm_90a", variants="all")
+    direct = {k for _, k in keys if k.c_direct}
+    assert direct
+    assert all(not (k.pingpong or k.split or k.accumulate or k.tile[0] < 64) for k in direct)
+    for b in registry.get_registry("sm90").buckets:
+        twins = [call for call, k in aot._bucket_keys(b, "sm_90a", "all") if k.c_direct]
+        assert bool(twins) == (b.op in ("fwd", "dx", "dw", "bmm") and "fp32" not in b.dtypes
+                               and "tf32" not in b.dtypes
+                               and stores_direct(1, "sm90", b, True)), b.name
+    assert not any(k.c_direct for _, k in aot.warmup_keys("sm_90a", variants="core"))
+    assert not any(k.c_direct for _, k in aot.warmup_keys("sm_80", variants="all"))
