@@ -87,7 +87,8 @@ def write(rows, out: Path):
              "Median us per call (CUDA graphs). direct/padded: padded time / direct time. "
              "Bits: direct against padded, and against cuBLASLt split-K off.", "",
              "| op | shape | torch | Lt | padded | direct | direct/padded | vs torch | vs Lt "
-             "| bits = padded | bits = Lt |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| bits = padded | bits = Lt |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lt, direct = r.get("lt"), r["direct"]
         lines.append(

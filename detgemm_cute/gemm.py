@@ -145,8 +145,9 @@ def stores_direct(pad_cols: int, arch: str, bucket, plain: bool) -> bool:
     parts, no TF32, no accumulate) instead of into padded rows that are copied out after.
 
     Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
-    ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 4x slower than the padded rows,
-    bench/results/direct-store-ab_*) and swapped 128-row tiles (12-64 bytes spilled)."""
+    ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 0.26-0.56x of the padded rows'
+    speed, bench/results/direct-store-ab_*_first-try.md) and swapped 128-row tiles (12-64
+    bytes spilled)."""
     tight = bucket.pingpong or (bucket.swap_ab and bucket.tile[0] > 64)
     return pad_cols > 0 and plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight
 
@@ -233,8 +234,8 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         else:
             b_form_eff = b_form
     pad_cols = padded_width(n, out_dtype)
-    # Output rows TMA cannot address: SM90 tiles of BM >= 64 store them element by element
-    # (no padded buffer, no copy back); the others write padded rows, copied out after.
+    # Output rows TMA cannot address: most SM90 kernels store them from their threads (no
+    # padded buffer, no copy back); the others write padded rows, copied out after.
     c_direct = stores_direct(pad_cols, arch, bucket, acc is None and not split_in and not tf32)
     if c_direct:
         pad_cols = 0

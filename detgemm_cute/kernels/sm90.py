@@ -100,7 +100,8 @@ class Sm90Gemm(Sm90Base):
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
-               tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
+               tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor,
+               mBias: Optional[cute.Tensor],
                mC_in: Optional[cute.Tensor], mOffs: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,
@@ -285,7 +286,8 @@ class Sm90GemmPersistent(Sm90Base):
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
-               tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor, mBias: Optional[cute.Tensor],
+               tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor,
+               mBias: Optional[cute.Tensor],
                mC_in: Optional[cute.Tensor], mOffs: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout_staged: cute.ComposedLayout,

@@ -69,8 +69,8 @@ class Sm90Base:
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
                  raster_n: bool = False, c_direct: bool = False):
         self.tile_shape_mnk = tuple(tile)
-        # C's rows are not 16-byte aligned (an output width TMA cannot address): each thread
-        # stores its elements from the accumulators, bounds-checked, instead of a TMA box.
+        # C's rows are not 16-byte aligned (an output width TMA cannot address): the tile's
+        # threads store each staged sub-tile, bounds-checked, instead of a TMA box.
         self.c_direct = c_direct
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
@@ -671,8 +671,7 @@ class Sm90Base:
     def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):
         """Round once to the output dtype and store this thread's elements of the first
         `rows` rows and `cols` columns of tile gC straight from the accumulators (a grouped
-        tile of a group shorter than BM: a TMA box cannot stop at the group's end; every
-        tile with `c_direct`: C's rows are not 16-byte aligned)."""
+        tile of a group shorter than BM: a TMA box cannot stop at the group's end)."""
         tCgC = thr_mma_thread.partition_C(gC)
         tCcC = thr_mma_thread.partition_C(
             cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1])))
