@@ -168,17 +168,24 @@ def test_ragged_last_tiles_match_the_reference(forced_layer, spec):
     tile before it: bits equal the CPU reference's and no poisoned output is left."""
     k = 200
     for m, n in _ragged(spec[0], spec[5]):
-        x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
-        xc, wc, bc = x.cpu(), w.cpu(), b.cpu()
-        got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
-        assert same_bits(got.cpu(), reference.linear(xc, wc, bc)), (m, n)
-        got = _forced("fwd", spec, lambda: dg.linear(x, w, b, out_dtype=torch.float32))
-        assert same_bits(got.cpu(), reference.linear(xc, wc, bc, torch.float32)), (m, n)
-        xt = x.t().contiguous().t()  # M-major X
-        got = _forced("fwd", spec, lambda: dg.mm(xt, w.t()))
-        assert same_bits(got.cpu(), reference.mm(xc, wc.t())), (m, n)
+        w, dy = _check_fwd_forms(spec, m, n, k)
         got = _forced("dx", spec, lambda: grads.input_grad(dy, w))
-        assert same_bits(got.cpu(), reference.mm(dy.cpu(), wc)), (m, n)
+        assert same_bits(got.cpu(), reference.mm(dy.cpu(), w.cpu())), (m, n)
+
+
+def _check_fwd_forms(spec, m, n, k):
+    """fwd under `spec` on fresh [m, k] x [n, k] inputs with bias (bf16 and fp32 out) and
+    with an M-major X: bits equal the CPU reference's. Returns (w, dy) for the dX checks."""
+    x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
+    xc, wc, bc = x.cpu(), w.cpu(), b.cpu()
+    got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
+    assert same_bits(got.cpu(), reference.linear(xc, wc, bc)), (m, n)
+    got = _forced("fwd", spec, lambda: dg.linear(x, w, b, out_dtype=torch.float32))
+    assert same_bits(got.cpu(), reference.linear(xc, wc, bc, torch.float32)), (m, n)
+    xt = x.t().contiguous().t()  # M-major X
+    got = _forced("fwd", spec, lambda: dg.mm(xt, w.t()))
+    assert same_bits(got.cpu(), reference.mm(xc, wc.t())), (m, n)
+    return w, dy
 
 
 MANY = PINGPONG + SWAPPED + WIDE + CLUSTER8
@@ -269,15 +276,7 @@ def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
     reference's and no poisoned element is left."""
     k = 200
     for m, n in [(300, 333), (77, 1001), (1000, 77)]:
-        x, w, b, dy = rand(m, k), rand(n, k), rand(n), rand(m, n)
-        xc, wc, bc = x.cpu(), w.cpu(), b.cpu()
-        got = _forced("fwd", spec, lambda: dg.linear(x, w, b))
-        assert same_bits(got.cpu(), reference.linear(xc, wc, bc)), (m, n)
-        got = _forced("fwd", spec, lambda: dg.linear(x, w, b, out_dtype=torch.float32))
-        assert same_bits(got.cpu(), reference.linear(xc, wc, bc, torch.float32)), (m, n)
-        xt = x.t().contiguous().t()  # M-major X
-        got = _forced("fwd", spec, lambda: dg.mm(xt, w.t()))
-        assert same_bits(got.cpu(), reference.mm(xc, wc.t())), (m, n)
+        _, dy = _check_fwd_forms(spec, m, n, k)
         w_odd = rand(n, 333)  # dX [m, 333]
         got = _forced("dx", spec, lambda: grads.input_grad(dy, w_odd))
         assert same_bits(got.cpu(), reference.mm(dy.cpu(), w_odd.cpu())), (m, n)
