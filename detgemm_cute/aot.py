@@ -134,7 +134,7 @@ def _bucket_keys(bucket, arch: str, which: str):
         yield call, key
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
                      or call["dtype"] == "tf32")
-        if which == "all" and stores_direct(1, family, bucket, plain):
+        if which == "all" and stores_direct(family, bucket, plain):
             yield {**call, "c_direct": True}, kcompile.KernelKey.for_bucket(
                 bucket, arch=arch, c_direct=True, **call)
 

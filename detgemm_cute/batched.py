@@ -65,7 +65,7 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     pad_cols = padded_width(b.shape[2], out_dtype)
     arch = arch_of(a.device)
-    c_direct = stores_direct(pad_cols, arch, bucket, dtype != TF32)
+    c_direct = pad_cols > 0 and stores_direct(arch, bucket, dtype != TF32)
     if c_direct:
         pad_cols = 0
     key = kcompile.KernelKey.for_bucket(

@@ -139,17 +139,17 @@ def padded_width(n: int, out_dtype: torch.dtype) -> int:
     return -(-n // el) * el if n % el else 0
 
 
-def stores_direct(pad_cols: int, arch: str, bucket, plain: bool) -> bool:
-    """Whether an output whose rows TMA cannot address (`pad_cols` > 0) is stored by the
-    kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no split
-    parts, no TF32, no accumulate) instead of into padded rows that are copied out after.
+def stores_direct(arch: str, bucket, plain: bool) -> bool:
+    """Whether an output whose rows TMA cannot address (a nonzero `padded_width`) is stored
+    by the kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no
+    split parts, no TF32, no accumulate) instead of into padded rows copied out after.
 
     Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
     ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 0.26-0.56x of the padded rows'
     speed, bench/results/direct-store-ab_*_first-try.md) and swapped 128-row tiles (12-64
     bytes spilled)."""
     tight = bucket.pingpong or (bucket.swap_ab and bucket.tile[0] > 64)
-    return pad_cols > 0 and plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight
+    return plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight
 
 
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
@@ -236,7 +236,8 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     pad_cols = padded_width(n, out_dtype)
     # Output rows TMA cannot address: most SM90 kernels store them from their threads (no
     # padded buffer, no copy back); the others write padded rows, copied out after.
-    c_direct = stores_direct(pad_cols, arch, bucket, acc is None and not split_in and not tf32)
+    c_direct = pad_cols > 0 and stores_direct(arch, bucket,
+                                              acc is None and not split_in and not tf32)
     if c_direct:
         pad_cols = 0
     key = kcompile.KernelKey.for_bucket(

@@ -102,24 +102,27 @@ def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluste
 
 
 def test_direct_store_policy():
-    """Which plans store unaligned output rows directly: SM90 tiles of BM >= 64 with plain
-    operands, not ping-pong or swapped 128-row tiles (their registers are full), and only
-    when the rows need padding at all."""
+    """Which kernels store unaligned output rows directly: SM90 tiles of BM >= 64 with plain
+    operands, not ping-pong or swapped 128-row tiles (their registers are full); the plans
+    ask only when the rows need padding at all (`padded_width`)."""
     from types import SimpleNamespace
 
-    from detgemm_cute.gemm import stores_direct
+    import torch
+
+    from detgemm_cute.gemm import padded_width, stores_direct
 
     def bucket(tile_m, pingpong=False, swap_ab=False):
         return SimpleNamespace(tile=(tile_m, 128, 64), pingpong=pingpong, swap_ab=swap_ab)
 
-    assert stores_direct(1008, "sm90", bucket(128), True)
-    assert stores_direct(1008, "sm90", bucket(64, swap_ab=True), True)
-    assert not stores_direct(0, "sm90", bucket(128), True)  # aligned rows: TMA
-    assert not stores_direct(1008, "sm80", bucket(128), True)
-    assert not stores_direct(1008, "sm90", bucket(32), True)
-    assert not stores_direct(1008, "sm90", bucket(128), False)  # split parts, TF32, acc
-    assert not stores_direct(1008, "sm90", bucket(128, pingpong=True), True)
-    assert not stores_direct(1008, "sm90", bucket(128, swap_ab=True), True)
+    assert stores_direct("sm90", bucket(128), True)
+    assert stores_direct("sm90", bucket(64, swap_ab=True), True)
+    assert not stores_direct("sm80", bucket(128), True)
+    assert not stores_direct("sm90", bucket(32), True)
+    assert not stores_direct("sm90", bucket(128), False)  # split parts, TF32, acc
+    assert not stores_direct("sm90", bucket(128, pingpong=True), True)
+    assert not stores_direct("sm90", bucket(128, swap_ab=True), True)
+    assert padded_width(4096, torch.bfloat16) == 0 and padded_width(333, torch.bfloat16) == 336
+    assert padded_width(333, torch.float32) == 336 and padded_width(334, torch.float32) == 336
 
 
 def test_warmup_all_includes_the_direct_store_twins():
@@ -136,6 +139,6 @@ def test_warmup_all_includes_the_direct_store_twins():
         twins = [call for call, k in aot._bucket_keys(b, "sm_90a", "all") if k.c_direct]
         assert bool(twins) == (b.op in ("fwd", "dx", "dw", "bmm") and "fp32" not in b.dtypes
                                and "tf32" not in b.dtypes
-                               and stores_direct(1, "sm90", b, True)), b.name
+                               and stores_direct("sm90", b, True)), b.name
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_90a", variants="core"))
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_80", variants="all"))
