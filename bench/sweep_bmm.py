@@ -10,9 +10,15 @@ an aligned p are timed as well, to show where the time goes. Every candidate's o
 have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
 
     python bench/sweep_bmm.py --out bench/results/tune/bmm_sweep.json [--quick] [--jobs N]
+
+`--problems L,S,d;...` replaces the model problems with explicit ones (`--kinds qk` keeps one
+GEMM of each); `--direct` adds each candidate's direct-store twin (name suffix `+direct`:
+the kernel's threads store every output, as they do where TMA cannot address the rows), to
+compare the two epilogues on aligned outputs too.
 """
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -21,7 +27,7 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import batched, dispatch
+from detgemm_cute import batched, dispatch, gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for
 from detgemm_cute.gemm import stage_k_major
@@ -74,9 +80,31 @@ def make_sets(kind, lb, m, k, n, l2):
     return [operands(kind, lb, m, k, n) for _ in range(min(8, n_sets_for(nbytes, l2, PLAN)))]
 
 
+DIRECT = "+direct"
+
+
+@contextlib.contextmanager
+def direct_store(on: bool):
+    """Within: every bmm output is stored by the kernel's threads where the tile allows it
+    (as if no row could be addressed by TMA); plans made inside are dropped on exit."""
+    if not on:
+        yield
+        return
+    saved = batched.padded_width
+    batched.padded_width = lambda n, dt: n
+    batched._plans.clear()
+    try:
+        yield
+    finally:
+        batched.padded_width = saved
+        batched._plans.clear()
+
+
 def forced(name):
+    bucket, direct = name.removesuffix(DIRECT), name.endswith(DIRECT)
+
     def run(s):
-        with dg.force_bucket(name):
+        with direct_store(direct), dg.force_bucket(bucket):
             return dg.bmm(s[0], s[1])
     return run
 
@@ -103,7 +131,7 @@ def check_bits(names, s) -> bool:
     return same and torch.equal(outs[0][0].view(torch.int16), ref.view(torch.int16))
 
 
-def precompile(names, probs, jobs, log):
+def precompile(names, probs, kinds, jobs, log):
     """Every candidate's kernel for every layout the sweep meets, in `jobs` processes."""
     from detgemm_cute import aot_cache
     from detgemm_cute.parallel_compile import compile_all
@@ -113,11 +141,13 @@ def precompile(names, probs, jobs, log):
     keys = {}
     for _, lb, s, d in probs:
         for kind, m, k, n in shapes_of(lb, s, d):
+            if kind not in kinds:
+                continue
             a, b = operands(kind, 2, m, k, n)
             for nm in names:
-                key = batched.kernel_layout(a, b, None, BF16,
-                                            dispatch.bucket_by_name("sm90", nm))[0]
-                keys[key] = None
+                with direct_store(nm.endswith(DIRECT)):
+                    bucket = dispatch.bucket_by_name("sm90", nm.removesuffix(DIRECT))
+                    keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
     log(f"compiling {len(keys)} kernels in {jobs} processes")
     failed = compile_all(list(keys), directory, jobs, log=log)
     for key, why in failed.items():
@@ -134,6 +164,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--max-seconds", type=float, default=420.0)
+    p.add_argument("--problems", help="L,S,d;... instead of the models' problems")
+    p.add_argument("--kinds", default="qk,pv")
+    p.add_argument("--direct", action="store_true", help="add direct-store twins")
     args = p.parse_args()
     err, _ = gpu.gpu_check()
     if err:
@@ -141,18 +174,25 @@ def main() -> int:
         return 1
     t0 = time.time()
     models = MODELS[::3] if args.quick else MODELS
-    probs = list(problems(models, SEQS))
+    probs = (list(problems(models, SEQS)) if not args.problems else
+             [("given", *map(int, t.split(","))) for t in args.problems.split(";")])
+    kinds = args.kinds.split(",")
     table = {(m, n, k): dispatch.lookup("bmm", "bf16", "sm90", m, n, k).name
              for _, lb, s, d in probs for _, m, k, n in shapes_of(lb, s, d)}
     with tempfile.TemporaryDirectory() as tmp:
         names = candidate_layer(Path(tmp) / "candidates.yaml", "bmm", "bcand", CANDIDATES)
+    if args.direct:
+        names += [nm + DIRECT for nm in names if gemm.stores_direct(
+            "sm90", dispatch.bucket_by_name("sm90", nm), True)]
     if args.jobs > 1:
-        precompile(names, probs, args.jobs, lambda m: print(m, flush=True))
+        precompile(names, probs, kinds, args.jobs, lambda m: print(m, flush=True))
     l2 = gpu.l2_bytes()
     cap = torch.cuda.Stream()
     rows = []
     for model, lb, s, d in probs:
         for kind, m, k, n in shapes_of(lb, s, d):
+            if kind not in kinds:
+                continue
             if time.time() - t0 > args.max_seconds:
                 print(f"time box reached after {len(rows)} problems", flush=True)
                 break

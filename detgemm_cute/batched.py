@@ -51,6 +51,15 @@ class _Plan:
         self.pad_cols, self.max_clusters, self.chunk = pad_cols, max_clusters, chunk
 
 
+def half_sector_rows(n: int, out_dtype: torch.dtype) -> bool:
+    """Whether rows of `n` elements start every other one 16 bytes into a 32-byte sector
+    (a pitch of 16 mod 32 bytes: q @ k^T at S = 1000, 3000). TMA can store such rows, but
+    each box row then writes two half sectors: on an H100, 128x128 persistent tiles stored
+    q @ k^T at S = 3000 at 0.70x torch.bmm by TMA, 0.95x by the tile's threads; at S = 2992
+    (whole sectors) TMA was the faster path (bench/results/tune/bmm_qk_align_*)."""
+    return n * out_dtype.itemsize % 32 == 16
+
+
 def kernel_layout(a, b, bias, out_dtype, bucket):
     """How `bucket` runs this call: (KernelKey, stage_a, stage_b, pad_cols). Benchmarks use it
     to compile a sweep's kernels ahead, in parallel."""
@@ -65,7 +74,8 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     pad_cols = padded_width(b.shape[2], out_dtype)
     arch = arch_of(a.device)
-    c_direct = pad_cols > 0 and stores_direct(arch, bucket, dtype != TF32)
+    c_direct = ((pad_cols > 0 or half_sector_rows(b.shape[2], out_dtype))
+                and stores_direct(arch, bucket, dtype != TF32))
     if c_direct:
         pad_cols = 0
     key = kcompile.KernelKey.for_bucket(
@@ -182,4 +192,4 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["bmm", "checked_bmm", "kernel_layout"]
+__all__ = ["bmm", "checked_bmm", "half_sector_rows", "kernel_layout"]

@@ -109,6 +109,7 @@ def test_direct_store_policy():
 
     import torch
 
+    from detgemm_cute.batched import half_sector_rows
     from detgemm_cute.gemm import padded_width, stores_direct
 
     def bucket(tile_m, pingpong=False, swap_ab=False):
@@ -123,6 +124,10 @@ def test_direct_store_policy():
     assert not stores_direct("sm90", bucket(128, swap_ab=True), True)
     assert padded_width(4096, torch.bfloat16) == 0 and padded_width(333, torch.bfloat16) == 336
     assert padded_width(333, torch.float32) == 336 and padded_width(334, torch.float32) == 336
+    # bmm also stores rows of a 16-mod-32-byte pitch directly (TMA writes half sectors there)
+    assert half_sector_rows(1000, torch.bfloat16) and half_sector_rows(1004, torch.float32)
+    assert not half_sector_rows(1008, torch.bfloat16) and not half_sector_rows(1000, torch.float32)
+    assert not half_sector_rows(4096, torch.bfloat16)
 
 
 def test_warmup_all_includes_the_direct_store_twins():
