@@ -3,7 +3,11 @@ width not a multiple of 8 at 16 bits) stored by the kernel's threads ("direct") 
 padded rows copied out after ("padded"), with torch and cuBLASLt (split-K off) as peers.
 Rows: q @ k^T at sequence lengths not a multiple of 8, and linear layers of odd width.
 
-    python bench/ab_direct_store.py --out bench/results
+`--suite half-sector`: outputs TMA can address whose row pitch is 16 mod 32 bytes (a width of
+8 mod 16 at 16 bits), direct (the default there) against TMA stores ("padded" then means the
+kernel's TMA store: such rows need no padding).
+
+    python bench/ab_direct_store.py --out bench/results [--suite half-sector]
 """
 import argparse
 import contextlib
@@ -25,6 +29,11 @@ QK = [(288, 333, 64), (128, 555, 64), (96, 777, 128), (64, 1001, 128), (80, 1500
 # classifier head), decode and prefill.
 LINEAR = [(1, 768, 50257), (16, 4096, 32001), (450, 768, 50257), (2048, 768, 50257),
           (4096, 1024, 50257), (700, 4096, 1001), (3000, 2048, 1001), (777, 5120, 32003)]
+# The half-sector suite: S and N of 8 mod 16.
+QK_HALF = [(48, 1000, 64), (48, 1000, 128), (24, 3000, 64), (24, 3000, 128), (32, 2008, 128),
+           (16, 4088, 128), (80, 1512, 64), (96, 776, 128)]
+LINEAR_HALF = [(512, 4096, 1000), (4096, 4096, 1000), (8192, 1024, 3000), (2048, 4096, 11000),
+               (1024, 5120, 5000), (16384, 768, 2312), (777, 4096, 11000), (128, 8192, 1528)]
 
 
 @contextlib.contextmanager
@@ -63,31 +72,34 @@ def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--suite", choices=("unaligned", "half-sector"), default="unaligned")
     args = ap.parse_args()
+    half = args.suite == "half-sector"
     cap, bf, lt, rows = torch.cuda.Stream(), torch.bfloat16, LtNoSplit(), []
-    for lb, s, d in QK:
+    for lb, s, d in QK_HALF if half else QK:
         sets = [(torch.randn(lb, s, d, device="cuda", dtype=bf),
                  torch.randn(lb, s, d, device="cuda", dtype=bf).transpose(1, 2))
                 for _ in range(3)]
         rows.append(timed_row("bmm q@k^T", (lb, s, s, d), lambda st: torch.bmm(*st),
                               lambda st: dg.bmm(*st), sets, cap))
         gpu.log(rows[-1])
-    for m, k, n in LINEAR:
+    for m, k, n in LINEAR_HALF if half else LINEAR:
         sets = [(torch.randn(m, k, device="cuda", dtype=bf),
                  torch.randn(n, k, device="cuda", dtype=bf)) for _ in range(2)]
         rows.append(timed_row("fwd", (m, k, n), lambda st: torch.mm(st[0], st[1].t()),
                               lambda st: dg.mm(st[0], st[1].t()), sets, cap, lt))
         gpu.log(rows[-1])
-    write(rows, Path(args.out))
+    write(rows, Path(args.out), "half-sector-ab" if half else "direct-store-ab")
 
 
-def write(rows, out: Path):
+def write(rows, out: Path, name: str):
     meta = gpu.device_meta()
-    lines = [f"# Direct-store epilogue A/B ({meta['device']})", "",
-             "Median us per call (CUDA graphs). direct/padded: padded time / direct time. "
-             "Bits: direct against padded, and against cuBLASLt split-K off.", "",
-             "| op | shape | torch | Lt | padded | direct | direct/padded | vs torch | vs Lt "
-             "| bits = padded | bits = Lt |",
+    base = "TMA" if name.startswith("half") else "padded"  # what the direct store replaces
+    lines = [f"# Direct-store epilogue A/B: {name} ({meta['device']})", "",
+             f"Median us per call (CUDA graphs). direct/{base}: {base} time / direct time. "
+             f"Bits: direct against {base}, and against cuBLASLt split-K off.", "",
+             f"| op | shape | torch | Lt | {base} | direct | direct/{base} | vs torch | vs Lt "
+             f"| bits = {base} | bits = Lt |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lt, direct = r.get("lt"), r["direct"]
@@ -99,7 +111,7 @@ def write(rows, out: Path):
             f"{'equal' if r['bits_padded'] else 'DIFFER'} | "
             f"{'-' if 'bits_lt' not in r else 'equal' if r['bits_lt'] else 'differ'} |")
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"direct-store-ab_{meta['device'].lower().replace(' ', '-')}"
+    stem = out / f"{name}_{meta['device'].lower().replace(' ', '-')}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print("\n".join(lines))

@@ -22,7 +22,8 @@ from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   max_clusters_for, padded_width, stage_k_major, stores_direct)
+                   half_sector_rows, max_clusters_for, padded_width, stage_k_major,
+                   stores_direct)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -49,15 +50,6 @@ class _Plan:
     def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters, chunk):
         self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
         self.pad_cols, self.max_clusters, self.chunk = pad_cols, max_clusters, chunk
-
-
-def half_sector_rows(n: int, out_dtype: torch.dtype) -> bool:
-    """Whether rows of `n` elements start every other one 16 bytes into a 32-byte sector
-    (a pitch of 16 mod 32 bytes: q @ k^T at S = 1000, 3000). TMA can store such rows, but
-    each box row then writes two half sectors: on an H100, 128x128 persistent tiles stored
-    q @ k^T at S = 3000 at 0.70x torch.bmm by TMA, 0.95x by the tile's threads; at S = 2992
-    (whole sectors) TMA was the faster path (bench/results/tune/bmm_qk_align_*)."""
-    return n * out_dtype.itemsize % 32 == 16
 
 
 def kernel_layout(a, b, bias, out_dtype, bucket):
@@ -192,4 +184,4 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["bmm", "checked_bmm", "half_sector_rows", "kernel_layout"]
+__all__ = ["bmm", "checked_bmm", "kernel_layout"]

@@ -139,6 +139,17 @@ def padded_width(n: int, out_dtype: torch.dtype) -> int:
     return -(-n // el) * el if n % el else 0
 
 
+def half_sector_rows(n: int, out_dtype: torch.dtype) -> bool:
+    """Whether rows of `n` elements start every other one 16 bytes into a 32-byte sector
+    (a pitch of 16 mod 32 bytes: q @ k^T at S = 1000, 3000). TMA can store such rows, but
+    each box row then writes two half sectors: on an H100, 128x128 persistent tiles stored
+    q @ k^T at S = 3000 at 0.70x torch.bmm by TMA, 0.95x by the tile's threads; at S = 2992
+    (whole sectors) TMA was the faster path (bench/results/tune/bmm_qk_align_*). bmm stores
+    such outputs directly where the kernel can (`stores_direct`): 1.10-1.37x over TMA on 6 of
+    8 q @ k^T rows; linear layers keep TMA (0.96-1.00x), bench/results/half-sector-ab_*."""
+    return n * out_dtype.itemsize % 32 == 16
+
+
 def stores_direct(arch: str, bucket, plain: bool) -> bool:
     """Whether an output whose rows TMA cannot address (a nonzero `padded_width`) is stored
     by the kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no
@@ -235,7 +246,9 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             b_form_eff = b_form
     pad_cols = padded_width(n, out_dtype)
     # Output rows TMA cannot address: most SM90 kernels store them from their threads (no
-    # padded buffer, no copy back); the others write padded rows, copied out after.
+    # padded buffer, no copy back); the others write padded rows, copied out after. Rows TMA
+    # would store as half sectors keep the TMA store here: linear layers of such widths ran
+    # at 0.96-1.00x with the threads' stores (bench/results/half-sector-ab_*); bmm differs.
     c_direct = pad_cols > 0 and stores_direct(arch, bucket,
                                               acc is None and not split_in and not tf32)
     if c_direct:

@@ -109,8 +109,7 @@ def test_direct_store_policy():
 
     import torch
 
-    from detgemm_cute.batched import half_sector_rows
-    from detgemm_cute.gemm import padded_width, stores_direct
+    from detgemm_cute.gemm import half_sector_rows, padded_width, stores_direct
 
     def bucket(tile_m, pingpong=False, swap_ab=False):
         return SimpleNamespace(tile=(tile_m, 128, 64), pingpong=pingpong, swap_ab=swap_ab)
