@@ -90,13 +90,13 @@ def direct_store(on: bool):
     if not on:
         yield
         return
-    saved = batched.padded_width
-    batched.padded_width = lambda n, dt: n
+    saved = gemm.padded_width
+    gemm.padded_width = lambda n, dt: n
     batched._plans.clear()
     try:
         yield
     finally:
-        batched.padded_width = saved
+        gemm.padded_width = saved
         batched._plans.clear()
 
 

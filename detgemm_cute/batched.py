@@ -22,8 +22,7 @@ from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   half_sector_rows, max_clusters_for, padded_width, stage_k_major,
-                   stores_direct)
+                   max_clusters_for, output_rows, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -64,12 +63,9 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
         b_unit = b_unit if b_unit == "first" else None
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
-    pad_cols = padded_width(b.shape[2], out_dtype)
     arch = arch_of(a.device)
-    c_direct = ((pad_cols > 0 or half_sector_rows(b.shape[2], out_dtype))
-                and stores_direct(arch, bucket, dtype != TF32))
-    if c_direct:
-        pad_cols = 0
+    c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
+                                     half_sectors=True)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,

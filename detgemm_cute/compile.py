@@ -58,9 +58,10 @@ class KernelKey:
     # Row groups of A and C with their own B ([G, ., .]; grouped_mm's mixture-of-experts
     # form): the kernel takes the groups' int32 cumulative row ends instead of a bias.
     grouped: bool = False
-    # C's rows do not start on 16 bytes (N not a multiple of 8 at 16 bits): the tile's
-    # threads store each staged sub-tile (bounds-checked) instead of a TMA box, so the
-    # output needs no padded buffer and no copy back (sm90, BM >= 64; gemm.stores_direct).
+    # The tile's threads store each staged sub-tile (bounds-checked) instead of a TMA box:
+    # for C's rows that do not start on 16 bytes (N not a multiple of 8 at 16 bits; no padded
+    # buffer, no copy back), and in bmm for rows TMA would store as half sectors (sm90,
+    # BM >= 64; gemm.output_rows).
     c_direct: bool = False
 
     @staticmethod

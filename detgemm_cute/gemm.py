@@ -151,8 +151,8 @@ def half_sector_rows(n: int, out_dtype: torch.dtype) -> bool:
 
 
 def stores_direct(arch: str, bucket, plain: bool) -> bool:
-    """Whether an output whose rows TMA cannot address (a nonzero `padded_width`) is stored
-    by the kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no
+    """Whether an output whose rows TMA cannot address (a nonzero `padded_width`), or in bmm
+    would store as half sectors (`half_sector_rows`), is stored by the kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no
     split parts, no TF32, no accumulate) instead of into padded rows copied out after.
 
     Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
@@ -161,6 +161,18 @@ def stores_direct(arch: str, bucket, plain: bool) -> bool:
     bytes spilled)."""
     tight = bucket.pingpong or (bucket.swap_ab and bucket.tile[0] > 64)
     return plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight
+
+
+def output_rows(arch: str, bucket, n: int, out_dtype: torch.dtype, plain: bool,
+                half_sectors: bool = False) -> tuple[bool, int]:
+    """How a plan stores an output of `n` columns: (c_direct, padded width or 0). Rows TMA
+    cannot address are stored by the kernel's threads where `stores_direct` allows it, else
+    written into padded rows copied out after; with `half_sectors` (bmm), rows TMA would
+    store as half sectors take the threads' stores too."""
+    pad_cols = padded_width(n, out_dtype)
+    direct = ((pad_cols > 0 or (half_sectors and half_sector_rows(n, out_dtype)))
+              and stores_direct(arch, bucket, plain))
+    return direct, 0 if direct else pad_cols
 
 
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
@@ -244,15 +256,10 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             b_form_eff, b_contig = "nk", "last"
         else:
             b_form_eff = b_form
-    pad_cols = padded_width(n, out_dtype)
-    # Output rows TMA cannot address: most SM90 kernels store them from their threads (no
-    # padded buffer, no copy back); the others write padded rows, copied out after. Rows TMA
-    # would store as half sectors keep the TMA store here: linear layers of such widths ran
-    # at 0.96-1.00x with the threads' stores (bench/results/half-sector-ab_*); bmm differs.
-    c_direct = pad_cols > 0 and stores_direct(arch, bucket,
-                                              acc is None and not split_in and not tf32)
-    if c_direct:
-        pad_cols = 0
+    # Rows TMA would store as half sectors keep the TMA store here: linear layers of such
+    # widths ran at 0.96-1.00x with the threads' stores (bench/results/half-sector-ab_*).
+    c_direct, pad_cols = output_rows(arch, bucket, n, out_dtype,
+                                     acc is None and not split_in and not tf32)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major=a_major, b_form=b_form_eff,
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),

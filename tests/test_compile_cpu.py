@@ -109,7 +109,7 @@ def test_direct_store_policy():
 
     import torch
 
-    from detgemm_cute.gemm import half_sector_rows, padded_width, stores_direct
+    from detgemm_cute.gemm import half_sector_rows, output_rows, padded_width, stores_direct
 
     def bucket(tile_m, pingpong=False, swap_ab=False):
         return SimpleNamespace(tile=(tile_m, 128, 64), pingpong=pingpong, swap_ab=swap_ab)
@@ -127,6 +127,14 @@ def test_direct_store_policy():
     assert half_sector_rows(1000, torch.bfloat16) and half_sector_rows(1004, torch.float32)
     assert not half_sector_rows(1008, torch.bfloat16) and not half_sector_rows(1000, torch.float32)
     assert not half_sector_rows(4096, torch.bfloat16)
+    # the plans' decision: (c_direct, padded width); half sectors only where asked (bmm)
+    bf = torch.bfloat16
+    assert output_rows("sm90", bucket(128), 333, bf, True) == (True, 0)
+    assert output_rows("sm90", bucket(128, pingpong=True), 333, bf, True) == (False, 336)
+    assert output_rows("sm90", bucket(128), 1000, bf, True) == (False, 0)
+    assert output_rows("sm90", bucket(128), 1000, bf, True, half_sectors=True) == (True, 0)
+    assert output_rows("sm90", bucket(32), 1000, bf, True, half_sectors=True) == (False, 0)
+    assert output_rows("sm90", bucket(128), 4096, bf, True, half_sectors=True) == (False, 0)
 
 
 def test_warmup_all_includes_the_direct_store_twins():

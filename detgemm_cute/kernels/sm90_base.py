@@ -69,8 +69,8 @@ class Sm90Base:
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
                  raster_n: bool = False, c_direct: bool = False):
         self.tile_shape_mnk = tuple(tile)
-        # C's rows are not 16-byte aligned (an output width TMA cannot address): the tile's
-        # threads store each staged sub-tile, bounds-checked, instead of a TMA box.
+        # The tile's threads store each staged sub-tile, bounds-checked, instead of a TMA
+        # box: C's rows are not 16-byte aligned, or TMA would write them as half sectors.
         self.c_direct = c_direct
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
