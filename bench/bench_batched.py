@@ -1,7 +1,7 @@
 """Batched and grouped GEMMs vs PyTorch, in one run (needs a GPU):
 
 1. bmm on attention shapes (q @ k^T with B a transposed view, p @ v; B*H 8..4096, head_dim
-   64/128, sequence 1..4096, odd lengths) and the batched shapes of issue 15: `dg.bmm` (one
+   64/128, sequence 1..4096, lengths that are not a multiple of 8 or of 16) and the batched shapes of issue 15: `dg.bmm` (one
    launch) vs `torch.bmm` (cuBLAS), CUDA-graph timed, medians, fresh inputs per set;
    bits of detgemm's entry 0 vs `dg.mm` on that entry.
 2. A mixture-of-experts layer (8 experts, top-2, hidden 4096, ffn 14336): `dg.grouped_mm` (one
@@ -43,7 +43,8 @@ BF16 = torch.bfloat16
 def attention_shapes(quick: bool):
     """(L, M, K, N, B layout): qk has B = k^T (a transposed view), pv has B = v."""
     pairs = [(4096, 64), (2048, 128), (1024, 256), (512, 512), (256, 1024), (128, 2048),
-             (64, 4096), (96, 777), (48, 1000), (24, 3000)]
+             (64, 4096), (96, 777), (48, 1000), (24, 3000), (288, 333), (80, 1500),
+             (48, 2500), (16, 4000), (8, 4095)]
     if quick:
         pairs = pairs[::3]
     rows = []

@@ -48,7 +48,11 @@ CANDIDATES = [
         ((128, 64, 64), (1, 1), 6, True, False), ((128, 128, 64), (1, 1), 4, False, False),
         ((128, 128, 64), (1, 1), 4, True, False), ((128, 128, 64), (1, 1), 4, True, True),
         ((128, 128, 64), (2, 1), 4, True, False), ((128, 192, 64), (1, 1), 4, True, False),
-        ((128, 256, 64), (1, 1), 3, False, False), ((64, 64, 128), (1, 1), 4, False, False))]
+        ((128, 256, 64), (1, 1), 3, False, False), ((64, 64, 128), (1, 1), 4, False, False),
+        # Output-bound q @ k^T reads about twice the bytes it writes (from L2) on a 128x128
+        # tile: wider tiles and multicast clusters read fewer per output.
+        ((128, 256, 64), (1, 1), 3, True, False), ((128, 256, 64), (2, 1), 3, True, False),
+        ((128, 128, 64), (2, 2), 4, True, False), ((128, 192, 64), (2, 1), 4, True, False))]
 
 
 def problems(models, seqs):
@@ -167,6 +171,8 @@ def main() -> int:
     p.add_argument("--problems", help="L,S,d;... instead of the models' problems")
     p.add_argument("--kinds", default="qk,pv")
     p.add_argument("--direct", action="store_true", help="add direct-store twins")
+    p.add_argument("--only", help="comma-separated substrings: keep the candidates whose "
+                   "names contain one (e.g. 128x256x64_c2x1,128x128x64_c1x1_s4_p)")
     args = p.parse_args()
     err, _ = gpu.gpu_check()
     if err:
@@ -181,6 +187,8 @@ def main() -> int:
              for _, lb, s, d in probs for _, m, k, n in shapes_of(lb, s, d)}
     with tempfile.TemporaryDirectory() as tmp:
         names = candidate_layer(Path(tmp) / "candidates.yaml", "bmm", "bcand", CANDIDATES)
+    if args.only:
+        names = [nm for nm in names if any(o in nm for o in args.only.split(","))]
     if args.direct:
         names += [nm + DIRECT for nm in names if gemm.stores_direct(
             "sm90", dispatch.bucket_by_name("sm90", nm), True)]

@@ -16,6 +16,7 @@ import time
 from . import aot_cache
 from . import compile as kcompile
 from . import registry
+from .batched import plan_key
 from .gemm import stores_direct
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
@@ -127,7 +128,8 @@ def _variants(bucket, which: str):
 def _bucket_keys(bucket, arch: str, which: str):
     """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
     direct-store twin of each key whose outputs at an unaligned width the kernel's threads
-    store (`gemm.stores_direct`), so a warmed cache serves those widths too."""
+    store (`gemm.stores_direct`; bmm's as its plans run them, `batched.plan_key`), so a
+    warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
     for call in _variants(bucket, which):
         key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)
@@ -135,8 +137,8 @@ def _bucket_keys(bucket, arch: str, which: str):
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
                      or call["dtype"] == "tf32")
         if which == "all" and stores_direct(family, bucket, plain):
-            yield {**call, "c_direct": True}, kcompile.KernelKey.for_bucket(
-                bucket, arch=arch, c_direct=True, **call)
+            twin = kcompile.KernelKey.for_bucket(bucket, arch=arch, c_direct=True, **call)
+            yield {**call, "c_direct": True}, plan_key(twin) if call.get("batched") else twin
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:

@@ -16,6 +16,8 @@ exact zero products: the bits do not change).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import compile as kcompile
@@ -41,6 +43,18 @@ def _inner_unit(t: torch.Tensor) -> str | None:
     if s1 == 1 and s2 % el == 0 and t.shape[2] > 1:
         return "first"
     return None
+
+
+def plan_key(key):
+    """The kernel a bmm plan runs for `key`: outputs the tile's threads store (`c_direct`)
+    run without a multicast cluster. Their epilogue is slower than a TMA store, and the
+    CTAs of a cluster wait on each other's stage releases: on an H100 the 2x1 cluster of
+    128x128 tiles ran q @ k^T at S = 1000/3000 (head_dim 128) at 0.73x/0.69x torch.bmm, the
+    same tile without it at 0.91x/0.96x (bench/results/tune/bmm_qk_cluster_*). The cluster
+    never changes an entry's chain."""
+    if key.c_direct and key.cluster != (1, 1):
+        return dataclasses.replace(key, cluster=(1, 1))
+    return key
 
 
 class _Plan:
@@ -70,7 +84,7 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
         arch=_gpu_arch(arch, a.device), batched=True, c_direct=c_direct)
-    return key, stage_a, stage_b, pad_cols
+    return plan_key(key), stage_a, stage_b, pad_cols
 
 
 def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
@@ -83,7 +97,7 @@ def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
         raise ValueError(f"force_bucket: bucket {forced!r} serves {'/'.join(bucket.dtypes)}, "
                          f"not this call's {dtype} operands")
     key, stage_a, stage_b, pad_cols = kernel_layout(a, b, bias, out_dtype, bucket)
-    max_clusters = max_clusters_for(a.device, bucket.cluster)
+    max_clusters = max_clusters_for(a.device, key.cluster)
     chunk = lb if bucket.persistent and arch == "sm90" else _GRID_Z
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, max_clusters, chunk)
 
@@ -180,4 +194,4 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["bmm", "checked_bmm", "kernel_layout"]
+__all__ = ["bmm", "checked_bmm", "kernel_layout", "plan_key"]

@@ -137,6 +137,21 @@ def test_direct_store_policy():
     assert output_rows("sm90", bucket(128), 4096, bf, True, half_sectors=True) == (False, 0)
 
 
+def test_bmm_plans_store_direct_rows_without_a_cluster():
+    """bmm's direct-store outputs run on the bucket's tile without its multicast cluster
+    (their slower epilogue held the cluster's peer CTA); TMA-stored outputs keep it."""
+    from detgemm_cute import batched
+    from detgemm_cute import compile as kcompile
+
+    key = kcompile.KernelKey(tile=(128, 128, 64), cluster=(2, 1), stages=4, persistent=True,
+                             dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn",
+                             b_contig="first", has_bias=False, batched=True)
+    assert batched.plan_key(key) is key
+    direct = kcompile.KernelKey(**{**key.__dict__, "c_direct": True})
+    assert batched.plan_key(direct) == kcompile.KernelKey(**{**direct.__dict__,
+                                                             "cluster": (1, 1)})
+
+
 def test_warmup_all_includes_the_direct_store_twins():
     """`--variants all` builds, next to each key a direct store can serve, its c_direct twin
     (so a warmed AOT cache covers unaligned output widths); never for ping-pong, sm80, split
@@ -152,5 +167,9 @@ def test_warmup_all_includes_the_direct_store_twins():
         assert bool(twins) == (b.op in ("fwd", "dx", "dw", "bmm") and "fp32" not in b.dtypes
                                and "tf32" not in b.dtypes
                                and stores_direct("sm90", b, True)), b.name
+    # bmm plans run direct-store outputs without a multicast cluster (batched.plan_key), and
+    # the warmed twins are those keys
+    assert all(k.cluster == (1, 1) for k in direct if k.batched)
+    assert any(k.cluster != (1, 1) for _, k in keys if k.batched and not k.c_direct)
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_90a", variants="core"))
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_80", variants="all"))

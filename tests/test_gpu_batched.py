@@ -26,7 +26,9 @@ from gpu_helpers import current_family, family, poison, rand, same_bits  # noqa:
 SHAPES = [(3, 1, 128, 1000), (5, 13, 72, 264), (4, 30, 128, 300), (6, 64, 64, 64),
           (2, 100, 1000, 40), (3, 300, 520, 128), (2, 129, 64, 776), (64, 128, 64, 128),
           (2, 777, 128, 777), (3, 512, 512, 64),
-          (2, 1000, 128, 1000), (2, 600, 64, 1004)]  # half-sector rows: direct stores
+          (2, 1000, 128, 1000), (2, 600, 64, 1004),  # half-sector rows: direct stores
+          (2, 600, 128, 1024), (2, 520, 72, 1032),  # 2x1 cluster; direct rows without it
+          (3, 333, 333, 64)]  # p @ v at an odd S: P staged
 
 
 def _entries_equal(c, a, b, bias=None, out_dtype=None):
