@@ -16,7 +16,7 @@ import time
 from . import aot_cache
 from . import compile as kcompile
 from . import registry
-from .batched import plan_key
+from .batched import plan_key, reads_a_rows, with_a_loads
 from .gemm import stores_direct
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
@@ -128,8 +128,9 @@ def _variants(bucket, which: str):
 def _bucket_keys(bucket, arch: str, which: str):
     """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
     direct-store twin of each key whose outputs at an unaligned width the kernel's threads
-    store (`gemm.stores_direct`; bmm's as its plans run them, `batched.plan_key`), so a
-    warmed cache serves those widths too."""
+    store (`gemm.stores_direct`; bmm's as its plans run them, `batched.plan_key`) and, for
+    bmm, the twin that reads a K-major A of unaligned rows with the producer warpgroup
+    (`batched.reads_a_rows`), so a warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
     for call in _variants(bucket, which):
         key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)
@@ -139,6 +140,9 @@ def _bucket_keys(bucket, arch: str, which: str):
         if which == "all" and stores_direct(family, bucket, plain):
             twin = kcompile.KernelKey.for_bucket(bucket, arch=arch, c_direct=True, **call)
             yield {**call, "c_direct": True}, plan_key(twin) if call.get("batched") else twin
+        if (which == "all" and bucket.op == "bmm" and plain and call["a_major"] == "k"
+                and reads_a_rows(family, bucket)):
+            yield {**call, "a_loads": True}, plan_key(with_a_loads(key))
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:

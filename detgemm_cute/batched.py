@@ -9,8 +9,10 @@ depend on L, on the other entries, or on the tile chosen.
 Layouts taken without copies: every entry's last two dims as `gemm` takes them (either dim
 contiguous), with a batch stride that is a multiple of 16 bytes. A weight shared by all
 entries (batch stride 0, e.g. ``w.expand(L, K, N)``) with a K-major A whose batch folds into
-its rows runs as one 2-D GEMM of L*M rows (the same chain per row). Anything else TMA cannot
-address is copied once into a K-major buffer (K zero-padded to a multiple of 8, which adds
+its rows runs as one 2-D GEMM of L*M rows (the same chain per row). A K-major A whose rows
+TMA cannot address (p @ v's softmax rows at an odd sequence length: a row pitch that is not a
+multiple of 16 bytes) is read by the producer warpgroup itself on SM90 tiles of BM >= 64
+(`KernelKey.a_loads`, kernels/sm90_a_rows.py). Anything else TMA cannot address is copied once into a K-major buffer (K zero-padded to a multiple of 8, which adds
 exact zero products: the bits do not change).
 """
 
@@ -43,6 +45,22 @@ def _inner_unit(t: torch.Tensor) -> str | None:
     if s1 == 1 and s2 % el == 0 and t.shape[2] > 1:
         return "first"
     return None
+
+
+def reads_a_rows(arch: str, bucket) -> bool:
+    """Whether `bucket`'s tile reads a K-major A of unaligned rows with the producer
+    warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles keep their
+    zero-padded stages), not swapped."""
+    return arch == "sm90" and bucket.tile[0] >= 64 and not getattr(bucket, "swap_ab", False)
+
+
+def with_a_loads(key):
+    """`key` reading A with the producer warpgroup: on the persistent kernel (the one with
+    a producer warpgroup), without A multicast (cluster [CM, 1]), with at most 3 stages
+    (the raw ring of A's rows carries the reads' latency and takes the shared memory).
+    Neither the schedule, the cluster nor the stages change an entry's chain."""
+    return dataclasses.replace(key, a_loads=True, persistent=True, cluster=(key.cluster[0], 1),
+                               stages=min(key.stages, 3))
 
 
 def plan_key(key):
@@ -78,13 +96,16 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     arch = arch_of(a.device)
+    a_loads = (stage_a and dtype != TF32 and a.stride(2) == 1 and a.shape[2] > 1
+               and reads_a_rows(arch, bucket))
+    stage_a = stage_a and not a_loads
     c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
                                      half_sectors=True)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
         arch=_gpu_arch(arch, a.device), batched=True, c_direct=c_direct)
-    return plan_key(key), stage_a, stage_b, pad_cols
+    return plan_key(with_a_loads(key) if a_loads else key), stage_a, stage_b, pad_cols
 
 
 def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
@@ -194,4 +215,4 @@ def checked_bmm(a, b, bias, out_dtype, op_name, names=("a", "b", "bias")):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["bmm", "checked_bmm", "kernel_layout", "plan_key"]
+__all__ = ["bmm", "checked_bmm", "kernel_layout", "plan_key", "reads_a_rows", "with_a_loads"]

@@ -63,6 +63,10 @@ class KernelKey:
     # buffer, no copy back), and in bmm for rows TMA would store as half sectors (sm90,
     # BM >= 64; gemm.output_rows).
     c_direct: bool = False
+    # A's rows are read by the producer warpgroup's own loads, not TMA: a K-major A of any
+    # row pitch and 2-byte-aligned start (p @ v's softmax rows at an odd sequence length),
+    # with no copy into padded rows (sm90, persistent, BM >= 64, 16-bit, no A multicast).
+    a_loads: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
@@ -106,6 +110,11 @@ def _make_fakes(key: KernelKey):
         return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
 
     a = fake(in_t, (m, k_a), key.a_major == "k")
+    if key.a_loads:  # K-major, any row (and batch) stride, any 2-byte-aligned start
+        a_shape, a_stride = (m, k_a), (cute.sym_int64(), 1)
+        if key.batched:
+            a_shape, a_stride = (batch, m, k_a), (cute.sym_int64(), *a_stride)
+        a = make_fake_tensor(in_t, a_shape, stride=a_stride, assumed_align=in_t.width // 8)
     b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
     b = fake(in_t, b_shape, key.b_contig == "last", key.batched or key.grouped)
     c = fake(out_t, (m, n), not key.swap_ab)  # swapped: an M-major view of the output
@@ -195,6 +204,14 @@ def _kernel_options(key: KernelKey) -> dict:
             raise ValueError("direct C stores are for sm90 tiles of BM >= 64 without "
                              "accumulate")
         opts["c_direct"] = True
+    if key.a_loads:
+        if (family_of(key.arch) != "sm90" or not key.persistent or key.tile[0] < 64
+                or key.cluster[1] != 1 or key.dtype not in DTYPES or key.a_major != "k"
+                or key.split or key.grouped or key.swap_ab):
+            raise ValueError("A loaded by the producer threads (a_loads) is for persistent "
+                             "sm90 kernels of BM >= 64 with a K-major 16-bit A, no A "
+                             "multicast (cluster [CM, 1]), not split, grouped or swapped")
+        opts["a_loads"] = True
     if key.raster_n:
         if family_of(key.arch) != "sm90":
             raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "

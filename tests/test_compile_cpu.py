@@ -1,6 +1,8 @@
 """Every built-in bucket of both families cross-compiles on a CPU-only machine (sm_90a,
 sm_80); PTX audit."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from detgemm_cute import aot, cli, registry
@@ -101,12 +103,56 @@ def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluste
             kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
 
 
+@pytest.mark.parametrize("tile, stages, persistent", [
+    ((64, 64, 64), 4, True), ((64, 128, 64), 4, False), ((128, 128, 64), 4, True),
+    ((128, 256, 64), 3, False)])
+def test_a_loads_kernels_read_a_with_the_threads(tmp_path, tile, stages, persistent):
+    """bmm's A of unaligned rows read by the producer warpgroup (`a_loads`, the p @ v
+    tiles): A by 16-byte cp.async into the raw ring, realigned with 16-byte shared loads and
+    stores; TMA for B only (no tensor map for A); on the persistent kernel with at most 3
+    stages whatever the bucket says; the raw ring fits beside the stages; nothing spills;
+    keys it cannot serve are refused."""
+    import re
+    import shutil
+    import subprocess
+
+    from detgemm_cute import batched
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.kernels.sm90_a_rows import raw_stages
+
+    bucket = SimpleNamespace(tile=tile, cluster=(1, 1), stages=stages, persistent=persistent,
+                             pingpong=False)
+    assert batched.reads_a_rows("sm90", bucket)
+    key = batched.with_a_loads(kcompile.KernelKey.for_bucket(
+        bucket, dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
+        has_bias=False, arch="sm_90a", batched=True))
+    assert key.a_loads and key.persistent and key.tile == tile and key.stages == 3
+    assert 2 <= raw_stages(tile, key.stages) <= 8
+    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    assert aot.audit_ptx(ptx) == []
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 16", ptx)
+    assert re.search(r"ld\.shared\.v4\.b32", ptx) and re.search(r"st\.shared\.v4\.b32", ptx)
+    # Tensor maps (64-byte-aligned kernel parameters): B's and C's, none for A.
+    assert len(re.findall(r"\.param \.align 64 \.b8", ptx)) == 2
+    if shutil.which("ptxas"):
+        (tmp_path / "k.ptx").write_text(ptx)
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
+        assert info.returncode == 0, info.stderr[-500:]
+        assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
+    for refused in ({"tile": (32, 128, 64)}, {"persistent": False}, {"cluster": (1, 2)},
+                    {"a_major": "m"}, {"dtype": "tf32"}):
+        with pytest.raises(ValueError, match="a_loads"):
+            kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
+    assert not batched.reads_a_rows("sm90", SimpleNamespace(tile=(32, 128, 64)))
+    assert not batched.reads_a_rows("sm80", bucket)
+
+
 def test_direct_store_policy():
     """Which kernels store unaligned output rows directly: SM90 tiles of BM >= 64 with plain
     operands, not ping-pong or swapped 128-row tiles (their registers are full); the plans
     ask only when the rows need padding at all (`padded_width`)."""
-    from types import SimpleNamespace
-
     import torch
 
     from detgemm_cute.gemm import half_sector_rows, output_rows, padded_width, stores_direct

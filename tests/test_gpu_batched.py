@@ -28,7 +28,9 @@ SHAPES = [(3, 1, 128, 1000), (5, 13, 72, 264), (4, 30, 128, 300), (6, 64, 64, 64
           (2, 777, 128, 777), (3, 512, 512, 64),
           (2, 1000, 128, 1000), (2, 600, 64, 1004),  # half-sector rows: direct stores
           (2, 600, 128, 1024), (2, 520, 72, 1032),  # 2x1 cluster; direct rows without it
-          (3, 333, 333, 64)]  # p @ v at an odd S: P staged
+          # p @ v at odd S: P's rows read by the producer warpgroup (sm90), one per p @ v tile
+          (3, 333, 333, 64), (2, 777, 777, 128), (2, 1100, 1001, 128), (2, 1500, 1500, 256),
+          (3, 40, 77, 96)]
 
 
 def _entries_equal(c, a, b, bias=None, out_dtype=None):
@@ -64,7 +66,9 @@ def test_bmm_every_bucket(family, dtype):
     names = [b.name for b in reg.buckets if b.op == "bmm"
              and ("bf16" if dtype == torch.bfloat16 else "fp16") in b.dtypes]
     assert names
-    for lb, m, k, n in [(3, 5, 200, 72), (2, 130, 136, 264), (4, 64, 64, 128)]:
+    # the last problem has odd K: unaligned A rows (staged, or read by the threads)
+    for lb, m, k, n in [(3, 5, 200, 72), (2, 130, 136, 264), (4, 64, 64, 128),
+                        (2, 130, 131, 72)]:
         a, b = rand(lb, m, k, dtype=dtype), rand(lb, k, n, dtype=dtype)
         want = dg.bmm(a, b)
         for name in names:
@@ -96,6 +100,50 @@ def test_bmm_odd_sizes_and_broadcast(family):
     _entries_equal(_bmm(ab, b), ab, b)
     x = rand(lb, m, 2 * k)[:, :, ::2]  # no unit stride: staged
     _entries_equal(_bmm(x, b), x, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bmm_unaligned_a_rows_read_by_the_threads(dtype):
+    """p @ v at an odd sequence length: P's rows are not 16-byte aligned, and the SM90 kernel
+    reads them with its producer warpgroup (no copy into padded rows). Each entry equals `dg.mm`
+    (which copies P into padded rows for TMA) for contiguous P, a 2-byte-aligned start, rows
+    of a longer pitch, a broadcast P, every p @ v tile, fp32 out and bias; entries do not
+    depend on L; a captured call replays to the same bits."""
+    from detgemm_cute import batched, dispatch
+
+    with dg.use_family("sm90"):
+        for lb, s, d in [(4, 333, 64), (3, 777, 128), (2, 1001, 128), (2, 1500, 256),
+                         (5, 67, 64), (3, 9, 128)]:
+            p, v = rand(lb, s, s, dtype=dtype), rand(lb, s, d, dtype=dtype)
+            bucket = dispatch.lookup("bmm", "bf16" if dtype == torch.bfloat16 else "fp16",
+                                     "sm90", s, d, s)
+            key, stage_a, _, _ = batched.kernel_layout(p, v, None, dtype, bucket)
+            assert key.a_loads == (bucket.tile[0] >= 64) and stage_a != key.a_loads, (s, key)
+            full = _bmm(p, v)
+            _entries_equal(full, p, v)
+            assert same_bits(_bmm(p[1:2], v[1:2])[0], full[1])
+            assert same_bits(_bmm(p[:1].expand(lb, s, s), v)[lb - 1], dg.mm(p[0], v[-1]))
+            shifted = rand(lb * s * s + 1, dtype=dtype)[1:].view(lb, s, s)  # 2-byte start
+            _entries_equal(_bmm(shifted, v), shifted, v)
+            wide = rand(lb, s, s + 5, dtype=dtype)[:, :, :s]  # pitch s + 5
+            _entries_equal(_bmm(wide, v), wide, v)
+            bias = rand(d, dtype=dtype)
+            _entries_equal(_bmm(p, v, bias=bias), p, v, bias)
+            _entries_equal(_bmm(p, v, out_dtype=torch.float32), p, v,
+                           out_dtype=torch.float32)
+        p, v = rand(8, 333, 333, dtype=dtype), rand(8, 333, 128, dtype=dtype)
+        want = dg.bmm(p, v)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            dg.bmm(p, v)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            out = dg.bmm(p, v)
+        p.copy_(rand(8, 333, 333, dtype=dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        assert same_bits(out, dg.bmm(p, v)) and not same_bits(out, want)
 
 
 def test_bmm_large_batch_small_entries(family):

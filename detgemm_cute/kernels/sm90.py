@@ -72,6 +72,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.pipeline import pipeline_init_wait
 
+from .sm90_a_rows import ARowLoads
 from .sm90_base import GROUP_TABLE, WG, Sm90Base
 
 # Named barriers of the ping-pong turns, one per consumer at each stage (id + consumer);
@@ -98,7 +99,7 @@ class Sm90Gemm(Sm90Base):
         return grid, (), {}
 
     @cute.kernel
-    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
+    def kernel(self, tma_atom_a: Optional[cute.CopyAtom], mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor,
                mBias: Optional[cute.Tensor],
@@ -181,7 +182,7 @@ class Sm90Gemm(Sm90Base):
             c_pipeline.producer_tail()
 
 
-class Sm90GemmPersistent(Sm90Base):
+class Sm90GemmPersistent(ARowLoads, Sm90Base):
     """Warp-specialized, persistent: one producer warpgroup, one or two consumer warpgroups.
 
     The producer's warp 0 walks the CTA's tiles (static schedule: tile t, t + grid, ...) and
@@ -213,10 +214,10 @@ class Sm90GemmPersistent(Sm90Base):
 
     @cute.jit
     def _produce(self, sched_params, ab_pipeline, k_tiles, src, mC_mn, groups, tAsA, a_mask,
-                 tBsB, b_mask):
-        """The producer warp: walk the CTA's tiles (static schedule: tile t, t + grid, ...)
-        and stream each tile's k tiles 0, 1, 2, ... into the stage ring (grouped: only
-        tiles that read, see `_group_place`)."""
+                 tBsB, b_mask, raw):
+        """The producer warp (`a_loads`: warpgroup): walk the CTA's tiles (static schedule:
+        tile t, t + grid, ...) and stream each tile's k tiles 0, 1, 2, ... into the stage
+        ring (grouped: only tiles that read, see `_group_place`)."""
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -226,24 +227,30 @@ class Sm90GemmPersistent(Sm90Base):
             if cutlass.const_expr(self.grouped):
                 if place.loads:
                     prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA,
-                                              a_mask, tBsB, b_mask)
+                                              a_mask, tBsB, b_mask, raw)
             else:
                 prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA, a_mask,
-                                          tBsB, b_mask)
+                                          tBsB, b_mask, raw)
             sched.advance_to_next_work()
             work = sched.get_current_work()
-        ab_pipeline.producer_tail(prod)
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+            ab_pipeline.producer_tail(prod)
 
     @cute.jit
     def _produce_tile(self, ab_pipeline, prod, k_tiles, src, place, tAsA, a_mask, tBsB,
-                      b_mask):
-        """Stream the k tiles 0, 1, 2, ... of the tile at `place` into the stage ring."""
+                      b_mask, raw):
+        """Stream the k tiles 0, 1, 2, ... of the tile at `place` into the stage ring
+        (`a_loads`: A through the raw ring `raw`, `ARowLoads`)."""
         tAgA_k, tBgB_k = self._tile_loads(src, place)
-        prod.reset_count()
-        for _k in cutlass.range(k_tiles, unroll=1):
-            self._load_k_tile(ab_pipeline, prod, src.atom_a, tAgA_k, tAsA, a_mask,
-                              src.atom_b, tBgB_k, tBsB, b_mask)
-            prod.advance()
+        if cutlass.const_expr(self.a_loads):
+            prod = self._produce_tile_rows(ab_pipeline, prod, k_tiles, src, place, tBgB_k,
+                                           tBsB, b_mask, *raw)
+        else:
+            prod.reset_count()
+            for _k in cutlass.range(k_tiles, unroll=1):
+                self._load_k_tile(ab_pipeline, prod, src.atom_a, tAgA_k, tAsA, a_mask,
+                                  src.atom_b, tBgB_k, tBsB, b_mask)
+                prod.advance()
         return prod
 
     @cute.jit
@@ -284,7 +291,7 @@ class Sm90GemmPersistent(Sm90Base):
         cute.arch.barrier_arrive(barrier_id=stage + consumer, number_of_threads=2 * WG)
 
     @cute.kernel
-    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mk: cute.Tensor,
+    def kernel(self, tma_atom_a: Optional[cute.CopyAtom], mA_mk: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nk: cute.Tensor,
                tma_atom_c: Optional[cute.CopyAtom], mC_mn: cute.Tensor,
                mBias: Optional[cute.Tensor],
@@ -321,9 +328,11 @@ class Sm90GemmPersistent(Sm90Base):
 
         if wg_idx < self.producer_warpgroups:
             cute.arch.setmaxregister_decrease(self.load_registers)
-        if warp_idx == 0:
+        # The producer: warp 0 (TMA), or with `a_loads` the whole warpgroup (A's loads).
+        if warp_idx < (4 if self.a_loads else 1):
+            raw = self._raw_views(storage) if cutlass.const_expr(self.a_loads) else None
             self._produce(sched_params, ab_pipeline, k_tiles, src, mC_mn, groups, tAsA, a_mask,
-                          tBsB, b_mask)
+                          tBsB, b_mask, raw)
 
         if wg_idx >= self.producer_warpgroups:
             cute.arch.setmaxregister_increase(self.mma_registers)

@@ -67,8 +67,12 @@ class Sm90Base:
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
-                 raster_n: bool = False, c_direct: bool = False):
+                 raster_n: bool = False, c_direct: bool = False, a_loads: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        # The producer warpgroup reads A with its threads' own loads instead of TMA (any
+        # row pitch, 2-byte aligned: rows TMA cannot address), stores each k tile into the
+        # stage in WGMMA's swizzled layout, and B still arrives by TMA (persistent kernels).
+        self.a_loads = a_loads
         # The tile's threads store each staged sub-tile, bounds-checked, instead of a TMA
         # box: C's rows are not 16-byte aligned, or TMA would write them as half sectors.
         self.c_direct = c_direct
@@ -167,10 +171,13 @@ class Sm90Base:
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
         epi_store = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.store_tile, self.epi_stage)
-        self.tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_load, (None, None, 0)))
-                          + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
-
-        tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
+        # Bytes TMA writes into one stage (the full barrier's transaction count).
+        self.tma_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        tma_atom_a, tma_a = None, mA  # a_loads: the threads read A itself
+        if cutlass.const_expr(not self.a_loads):
+            self.tma_bytes += cute.size_in_bytes(self.a_dtype,
+                                                 cute.slice_(a_load, (None, None, 0)))
+            tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
         tma_atom_b, tma_b = self._tma_load(mB, b_smem, (bn, bk), self.cluster_shape_mn[0])
         tma_atom_c, tma_c = None, mC
         if cutlass.const_expr(not self.c_direct):
@@ -191,7 +198,8 @@ class Sm90Base:
 
     def _shared_storage(self, a_smem, b_smem, epi_smem):
         """The CTA's shared memory: stage barriers (grouped: and the groups' first-tile
-        table, in the same first KiB), then the A and B stages and the epilogue buffer."""
+        table, in the same first KiB), then the A and B stages and the epilogue buffer
+        (`a_loads`: and the raw ring of A's rows)."""
         fields = {"barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]}
         if self.grouped:
             fields["group_first"] = cute.struct.MemRange[cutlass.Int32, GROUP_TABLE]
@@ -199,6 +207,9 @@ class Sm90Base:
                                     ("sC", self.c_dtype, epi_smem)):
             fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)],
                                              self.buffer_align_bytes]
+        if self.a_loads:  # the raw ring of A's chunks (sm90_a_rows)
+            fields["sRaw"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int32,
+                                                                    self._raw_words()], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _row_major_a_smem(self, rows):
@@ -228,7 +239,8 @@ class Sm90Base:
         """Warp 0 prefetches the TMA descriptors; returns (uniform warp index, thread index)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            if cutlass.const_expr(not self.a_loads):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
         tidx, _, _ = cute.arch.thread_idx()
         return warp_idx, tidx
@@ -244,10 +256,14 @@ class Sm90Base:
         a_mask = a_mask if self.is_a_mcast else 0
         b_mask = b_mask if self.is_b_mcast else 0
         mcast_size = self.cluster_shape_mn[0] + self.cluster_shape_mn[1] - 1
+        # A stage is full once TMA's bytes have landed and the producers have arrived: one
+        # arrival with the transaction count, plus (a_loads) one per producer thread after
+        # its stores of A.
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 + (WG if self.a_loads else 0)),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, mcast_size * (self.tile_threads // 32)),
             tx_count=self.tma_bytes,
@@ -269,22 +285,27 @@ class Sm90Base:
         src = TmaSources(tma_atom_a, mA_mk, sA_load, tma_atom_b, mB_nk, sB, cta_layout_mnk,
                          cluster_coord)
         tAsA, tAgA, tBsB, tBgB = self._partition_loads(src, 0, 0)
-        k_tiles = cute.size(tAgA, mode=[2])
+        if cutlass.const_expr(self.a_loads):
+            k_tiles = (cute.size(mA_mk, mode=[1]) + bk - 1) // bk
+        else:
+            k_tiles = cute.size(tAgA, mode=[2])
         return ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles
 
     @cute.jit
     def _partition_loads(self, src, off_m, off_n):
         """TMA partitions of A and B over all (m|n, k, l) tiles, with the tile grid moved by
-        (off_m, off_n) elements (see `_tail_offsets`)."""
+        (off_m, off_n) elements (see `_tail_offsets`); A's are None with `a_loads`."""
         bm, bn, bk = self.tile_shape_mnk
-        gA = cute.local_tile(cute.domain_offset((off_m, 0, 0), src.mA_mk), (bm, bk),
-                             (None, None, None))  # (BM, BK, tm, tk, L)
         gB = cute.local_tile(cute.domain_offset((off_n, 0, 0), src.mB_nk), (bn, bk),
                              (None, None, None))  # (BN, BK, tn, tk, L)
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            src.atom_a, src.cluster_coord[1],
-            cute.make_layout(cute.slice_(src.cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(src.sA_load, 0, 2), cute.group_modes(gA, 0, 2))
+        tAsA, tAgA = None, None
+        if cutlass.const_expr(not self.a_loads):
+            gA = cute.local_tile(cute.domain_offset((off_m, 0, 0), src.mA_mk), (bm, bk),
+                                 (None, None, None))  # (BM, BK, tm, tk, L)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                src.atom_a, src.cluster_coord[1],
+                cute.make_layout(cute.slice_(src.cta_layout_mnk, (0, None, 0)).shape),
+                cute.group_modes(src.sA_load, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             src.atom_b, src.cluster_coord[0],
             cute.make_layout(cute.slice_(src.cta_layout_mnk, (None, 0, 0)).shape),
@@ -428,10 +449,13 @@ class Sm90Base:
 
     @cute.jit
     def _tile_loads(self, src, place):
-        """The TMA sources of one output tile (a `TilePlace`): A's and B's k tiles, in order."""
+        """The TMA sources of one output tile (a `TilePlace`): A's and B's k tiles, in order
+        (A's None with `a_loads`)."""
         _, tAgA, _, tBgB = self._partition_loads(src, place.off_m, place.off_n)
-        return (tAgA[(None, place.m, None, place.l_c)],
-                tBgB[(None, place.n, None, place.l_b)])
+        tAgA_k = None
+        if cutlass.const_expr(not self.a_loads):
+            tAgA_k = tAgA[(None, place.m, None, place.l_c)]
+        return tAgA_k, tBgB[(None, place.n, None, place.l_b)]
 
     @cute.jit
     def _tile_c(self, mC_mn, place):

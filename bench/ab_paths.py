@@ -1,13 +1,19 @@
-"""A/B of the direct-store epilogue in one run: outputs whose rows TMA cannot address (a
-width not a multiple of 8 at 16 bits) stored by the kernel's threads ("direct") against
-padded rows copied out after ("padded"), with torch and cuBLASLt (split-K off) as peers.
-Rows: q @ k^T at sequence lengths not a multiple of 8, and linear layers of odd width.
+"""A/B of two kernel paths for rows TMA cannot take well, in one run, bits compared, with
+torch (and cuBLASLt, split-K off, for linear layers) as peers. JSON keys: "direct" is the
+path detgemm takes, "padded" the one it replaces.
 
-`--suite half-sector`: outputs TMA can address whose row pitch is 16 mod 32 bytes (a width of
-8 mod 16 at 16 bits), direct (the default there) against TMA stores ("padded" then means the
-kernel's TMA store: such rows need no padding).
+- `--suite unaligned` (default): outputs whose rows TMA cannot address (a width not a
+  multiple of 8 at 16 bits) stored by the kernel's threads ("direct") against padded rows
+  copied out after ("padded"). Rows: q @ k^T at sequence lengths not a multiple of 8, and
+  linear layers of odd width.
+- `--suite half-sector`: outputs TMA can address whose row pitch is 16 mod 32 bytes (a width
+  of 8 mod 16 at 16 bits), direct against TMA stores ("padded": the kernel's TMA store; such
+  rows need no padding).
+- `--suite a-rows`: p @ v at sequence lengths whose rows of P are not 16-byte aligned, P read
+  by the producer threads' own loads ("direct") against P copied into padded rows for TMA
+  ("padded"), over the attention shapes of public models.
 
-    python bench/ab_direct_store.py --out bench/results [--suite half-sector]
+    python bench/ab_paths.py --out bench/results [--suite half-sector|a-rows]
 """
 import argparse
 import contextlib
@@ -29,6 +35,14 @@ QK = [(288, 333, 64), (128, 555, 64), (96, 777, 128), (64, 1001, 128), (80, 1500
 # classifier head), decode and prefill.
 LINEAR = [(1, 768, 50257), (16, 4096, 32001), (450, 768, 50257), (2048, 768, 50257),
           (4096, 1024, 50257), (700, 4096, 1001), (3000, 2048, 1001), (777, 5120, 32003)]
+# (batch x heads, sequence, head_dim): p @ v at a sequence length not a multiple of 8, as
+# eager attention runs it (P [B*H, S, S] contiguous): Llama-3 8B (32 heads of 128), Qwen2.5
+# 7B (28), Mistral 7B at TP 2 (16), Llama-3 70B at TP 8 (8), Phi-3 mini (32 of 96), Gemma-2
+# 9B (16 of 256), GPT-2 (12 of 64), BERT-large (16 of 64); batch 1..16, S 9..4095.
+PV = [(320, 777, 128), (672, 333, 128), (160, 777, 128), (192, 333, 128), (320, 777, 96),
+      (80, 1500, 256), (288, 333, 64), (80, 1500, 64), (64, 1001, 128), (32, 2047, 128),
+      (24, 3001, 128), (8, 4095, 128), (16, 4095, 64), (512, 129, 128), (1024, 77, 64),
+      (448, 201, 128), (96, 555, 64), (32, 9, 128)]
 # The half-sector suite: S and N of 8 mod 16.
 QK_HALF = [(48, 1000, 64), (48, 1000, 128), (24, 3000, 64), (24, 3000, 128), (32, 2008, 128),
            (16, 4088, 128), (80, 1512, 64), (96, 776, 128)]
@@ -37,22 +51,34 @@ LINEAR_HALF = [(512, 4096, 1000), (4096, 4096, 1000), (8192, 1024, 3000), (2048,
 
 
 @contextlib.contextmanager
-def padded_rows():
-    """detgemm with the direct store switched off: padded output rows, copied out after."""
-    saved = gemm.stores_direct
-    gemm.stores_direct = lambda *a: False  # what gemm.output_rows asks, for both paths
+def _switched_off(module, name):
+    """detgemm with the policy `module.name` answering False (the plans are rebuilt)."""
+    saved = getattr(module, name)
+    setattr(module, name, lambda *a: False)
     gemm._plans.clear(), batched._plans.clear()
     try:
         yield
     finally:
-        gemm.stores_direct = saved
+        setattr(module, name, saved)
         gemm._plans.clear(), batched._plans.clear()
 
 
-def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None) -> dict:
-    """One row: torch, detgemm padded and direct (and Lt) timed together; bits compared."""
+def padded_rows():
+    """The direct store switched off: padded output rows, copied out after (what
+    gemm.output_rows asks, for both paths)."""
+    return _switched_off(gemm, "stores_direct")
+
+
+def staged_a_rows():
+    """A's unaligned rows copied into padded rows for TMA instead of read by the threads."""
+    return _switched_off(batched, "reads_a_rows")
+
+
+def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None, baseline=padded_rows) -> dict:
+    """One row: torch, detgemm's path ("direct") and the one it replaces ("padded", run
+    inside `baseline`) (and Lt) timed together; bits compared."""
     def padded(st):
-        with padded_rows():
+        with baseline():
             return dg_fn(st)
     fns = {"torch": torch_fn, "padded": padded, "direct": dg_fn}
     if lt is not None:
@@ -72,10 +98,20 @@ def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--suite", choices=("unaligned", "half-sector"), default="unaligned")
+    ap.add_argument("--suite", choices=("unaligned", "half-sector", "a-rows"),
+                    default="unaligned")
     args = ap.parse_args()
     half = args.suite == "half-sector"
     cap, bf, lt, rows = torch.cuda.Stream(), torch.bfloat16, LtNoSplit(), []
+    if args.suite == "a-rows":
+        for lb, s, d in PV:
+            sets = [(torch.randn(lb, s, s, device="cuda", dtype=bf).softmax(-1),
+                     torch.randn(lb, s, d, device="cuda", dtype=bf)) for _ in range(3)]
+            rows.append(timed_row("bmm p@v", (lb, s, s, d), lambda st: torch.bmm(*st),
+                                  lambda st: dg.bmm(*st), sets, cap, baseline=staged_a_rows))
+            gpu.log(rows[-1])
+        write(rows, Path(args.out), "a-rows-ab")
+        return
     for lb, s, d in QK_HALF if half else QK:
         sets = [(torch.randn(lb, s, d, device="cuda", dtype=bf),
                  torch.randn(lb, s, d, device="cuda", dtype=bf).transpose(1, 2))
@@ -94,11 +130,13 @@ def main():
 
 def write(rows, out: Path, name: str):
     meta = gpu.device_meta()
-    base = "TMA" if name.startswith("half") else "padded"  # what the direct store replaces
-    lines = [f"# Direct-store epilogue A/B: {name} ({meta['device']})", "",
-             f"Median us per call (CUDA graphs). direct/{base}: {base} time / direct time. "
-             f"Bits: direct against {base}, and against cuBLASLt split-K off.", "",
-             f"| op | shape | torch | Lt | {base} | direct | direct/{base} | vs torch | vs Lt "
+    # What the new path replaces, and what it is called.
+    base, new = {"half-sector-ab": ("TMA", "direct"),
+                 "a-rows-ab": ("staged", "threads")}.get(name, ("padded", "direct"))
+    lines = [f"# Kernel path A/B: {name} ({meta['device']})", "",
+             f"Median us per call (CUDA graphs). {new}/{base}: {base} time / {new} time. "
+             f"Bits: {new} against {base}, and against cuBLASLt split-K off.", "",
+             f"| op | shape | torch | Lt | {base} | {new} | {new}/{base} | vs torch | vs Lt "
              f"| bits = {base} | bits = Lt |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
