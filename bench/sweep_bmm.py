@@ -5,8 +5,9 @@ For every (model, batch x sequence) both attention GEMMs run: q @ k^T (B a trans
 k, no copy) and p @ v. The candidates (`CANDIDATES`, declared as the alternatives of one user
 bucket and forced by name) and `torch.bmm` run on the same inputs in one `time_units` call
 (CUDA graphs, interleaved rounds, medians). Where the sequence length is odd, p's rows are not
-16-byte aligned and detgemm stages p (a padded K-major copy): the copy alone and the GEMM on
-an aligned p are timed as well, to show where the time goes. Every candidate's output must
+16-byte aligned (detgemm reads them with the kernel's producer warpgroup, or for K < 256
+stages a padded K-major copy): the copy alone and the GEMM on an aligned p are timed as
+well, to compare. Every candidate's output must
 have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
 
     python bench/sweep_bmm.py --out bench/results/tune/bmm_sweep.json [--quick] [--jobs N]

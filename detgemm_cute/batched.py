@@ -47,11 +47,18 @@ def _inner_unit(t: torch.Tensor) -> str | None:
     return None
 
 
-def reads_a_rows(arch: str, bucket) -> bool:
-    """Whether `bucket`'s tile reads a K-major A of unaligned rows with the producer
-    warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles keep their
-    zero-padded stages), not swapped."""
-    return arch == "sm90" and bucket.tile[0] >= 64 and not getattr(bucket, "swap_ab", False)
+# Below this K the copy into padded rows was faster: each tile waits one memory latency
+# before its first k tile (H100, p @ v, threads / staged: S = 77: 0.75x, 129: 0.89x, 201:
+# 1.03x, 333: 1.18-1.25x; bench/results/a-rows-ab_*).
+A_ROWS_MIN_K = 256
+
+
+def reads_a_rows(arch: str, bucket, k: int = A_ROWS_MIN_K) -> bool:
+    """Whether `bucket`'s tile reads a K-major A of unaligned rows (K = `k`) with the
+    producer warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles keep their
+    zero-padded stages), not swapped, K >= A_ROWS_MIN_K."""
+    return (arch == "sm90" and bucket.tile[0] >= 64 and not getattr(bucket, "swap_ab", False)
+            and k >= A_ROWS_MIN_K)
 
 
 def with_a_loads(key):
@@ -96,8 +103,8 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     arch = arch_of(a.device)
-    a_loads = (stage_a and dtype != TF32 and a.stride(2) == 1 and a.shape[2] > 1
-               and reads_a_rows(arch, bucket))
+    a_loads = (stage_a and dtype != TF32 and a.stride(2) == 1
+               and reads_a_rows(arch, bucket, a.shape[2]))
     stage_a = stage_a and not a_loads
     c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
                                      half_sectors=True)

@@ -147,6 +147,7 @@ def test_a_loads_kernels_read_a_with_the_threads(tmp_path, tile, stages, persist
             kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
     assert not batched.reads_a_rows("sm90", SimpleNamespace(tile=(32, 128, 64)))
     assert not batched.reads_a_rows("sm80", bucket)
+    assert not batched.reads_a_rows("sm90", bucket, batched.A_ROWS_MIN_K - 1)
 
 
 def test_direct_store_policy():

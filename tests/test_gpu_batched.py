@@ -113,12 +113,13 @@ def test_bmm_unaligned_a_rows_read_by_the_threads(dtype):
 
     with dg.use_family("sm90"):
         for lb, s, d in [(4, 333, 64), (3, 777, 128), (2, 1001, 128), (2, 1500, 256),
-                         (5, 67, 64), (3, 9, 128)]:
+                         (5, 67, 64), (3, 9, 128), (2, 257, 64)]:
             p, v = rand(lb, s, s, dtype=dtype), rand(lb, s, d, dtype=dtype)
             bucket = dispatch.lookup("bmm", "bf16" if dtype == torch.bfloat16 else "fp16",
                                      "sm90", s, d, s)
             key, stage_a, _, _ = batched.kernel_layout(p, v, None, dtype, bucket)
-            assert key.a_loads == (bucket.tile[0] >= 64) and stage_a != key.a_loads, (s, key)
+            threads = bucket.tile[0] >= 64 and s >= batched.A_ROWS_MIN_K
+            assert key.a_loads == threads and stage_a != key.a_loads, (s, key)
             full = _bmm(p, v)
             _entries_equal(full, p, v)
             assert same_bits(_bmm(p[1:2], v[1:2])[0], full[1])

@@ -35,6 +35,11 @@ stage then carries BM rows of X next to the weight tile instead of a 64-row box 
 mostly zero fill. The zero rows feed products into accumulator rows that are never stored;
 each stored row is the same chain as with a 64-row tile.
 
+Rows TMA cannot address (`a_loads`, `Sm90GemmPersistent` only): a K-major A whose row pitch
+is not a multiple of 16 bytes (p @ v's softmax rows at an odd sequence length) is read by the
+producer warpgroup itself, 16-byte chunks into a raw ring and shifted into the swizzled stage
+(`sm90_a_rows.py`); B still comes by TMA, and the consumers run the same chain on the stage.
+
 Batches (bmm): operands of rank 3 arrive in torch order [L, rows, cols] and run in one launch;
 the batch is the L mode of every tensor (grid z for `Sm90Gemm`, the third coordinate of the
 persistent tile index for `Sm90GemmPersistent`). A tile never spans two entries, so each
