@@ -1,9 +1,9 @@
 """Batched and grouped GEMMs vs PyTorch, in one run (needs a GPU):
 
 1. bmm on attention shapes (q @ k^T with B a transposed view, p @ v; B*H 8..4096, head_dim
-   64/128, sequence 1..4096, lengths that are not a multiple of 8 or of 16) and the batched shapes of issue 15: `dg.bmm` (one
-   launch) vs `torch.bmm` (cuBLAS), CUDA-graph timed, medians, fresh inputs per set;
-   bits of detgemm's entry 0 vs `dg.mm` on that entry.
+   64/128, sequence 1..4096, lengths that are not a multiple of 8 or of 16) and four more
+   batched shapes: `dg.bmm` (one launch) vs `torch.bmm` (cuBLAS), CUDA-graph timed, medians,
+   fresh inputs per set; bits of detgemm's entry 0 vs `dg.mm` on that entry.
 2. A mixture-of-experts layer (8 experts, top-2, hidden 4096, ffn 14336): `dg.grouped_mm` (one
    launch) vs `torch._grouped_mm` and a per-expert `torch.mm` loop, CUDA-graph timed, and
    detgemm and torch._grouped_mm eager as well, with detgemm's one-GEMM-per-group path (the

@@ -11,9 +11,10 @@ contiguous), with a batch stride that is a multiple of 16 bytes. A weight shared
 entries (batch stride 0, e.g. ``w.expand(L, K, N)``) with a K-major A whose batch folds into
 its rows runs as one 2-D GEMM of L*M rows (the same chain per row). A K-major A whose rows
 TMA cannot address (p @ v's softmax rows at an odd sequence length: a row pitch that is not a
-multiple of 16 bytes) is read by the producer warpgroup itself on SM90 tiles of BM >= 64
-(`KernelKey.a_loads`, kernels/sm90_a_rows.py). Anything else TMA cannot address is copied once into a K-major buffer (K zero-padded to a multiple of 8, which adds
-exact zero products: the bits do not change).
+multiple of 16 bytes) is read by the producer warpgroup itself on SM90 tiles of BM >= 64, for
+K >= 256 (`KernelKey.a_loads`, kernels/sm90_a_rows.py). Anything else TMA cannot address is
+copied once into a K-major buffer (K zero-padded to a multiple of 8, which adds exact zero
+products: the bits do not change).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ A_ROWS_MIN_K = 256
 def reads_a_rows(arch: str, bucket, k: int = A_ROWS_MIN_K) -> bool:
     """Whether `bucket`'s tile reads a K-major A of unaligned rows (K = `k`) with the
     producer warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles keep their
-    zero-padded stages), not swapped, K >= A_ROWS_MIN_K."""
-    return (arch == "sm90" and bucket.tile[0] >= 64 and not getattr(bucket, "swap_ab", False)
-            and k >= A_ROWS_MIN_K)
+    zero-padded stages) and BK = 64 (one 128-byte swizzle atom a row), not swapped,
+    K >= A_ROWS_MIN_K."""
+    return (arch == "sm90" and bucket.tile[0] >= 64 and bucket.tile[2] == 64
+            and not getattr(bucket, "swap_ab", False) and k >= A_ROWS_MIN_K)
 
 
 def with_a_loads(key):
@@ -126,7 +128,7 @@ def _make_plan(a, b, bias, out_dtype, lb, m, n, k):
                          f"not this call's {dtype} operands")
     key, stage_a, stage_b, pad_cols = kernel_layout(a, b, bias, out_dtype, bucket)
     max_clusters = max_clusters_for(a.device, key.cluster)
-    chunk = lb if bucket.persistent and arch == "sm90" else _GRID_Z
+    chunk = lb if key.persistent and arch == "sm90" else _GRID_Z
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, max_clusters, chunk)
 
 

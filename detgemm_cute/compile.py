@@ -63,9 +63,10 @@ class KernelKey:
     # buffer, no copy back), and in bmm for rows TMA would store as half sectors (sm90,
     # BM >= 64; gemm.output_rows).
     c_direct: bool = False
-    # A's rows are read by the producer warpgroup's own loads, not TMA: a K-major A of any
-    # row pitch and 2-byte-aligned start (p @ v's softmax rows at an odd sequence length),
-    # with no copy into padded rows (sm90, persistent, BM >= 64, 16-bit, no A multicast).
+    # A's rows are read by the producer warpgroup, not TMA (16-byte chunks into a raw ring,
+    # shifted into the stage: kernels/sm90_a_rows.py): a K-major A of any row pitch and
+    # 2-byte-aligned start (p @ v's softmax rows at an odd sequence length), with no copy
+    # into padded rows (sm90, persistent, BM >= 64, BK = 64, 16-bit, no A multicast).
     a_loads: bool = False
 
     @staticmethod
@@ -206,11 +207,12 @@ def _kernel_options(key: KernelKey) -> dict:
         opts["c_direct"] = True
     if key.a_loads:
         if (family_of(key.arch) != "sm90" or not key.persistent or key.tile[0] < 64
-                or key.cluster[1] != 1 or key.dtype not in DTYPES or key.a_major != "k"
-                or key.split or key.grouped or key.swap_ab):
-            raise ValueError("A loaded by the producer threads (a_loads) is for persistent "
-                             "sm90 kernels of BM >= 64 with a K-major 16-bit A, no A "
-                             "multicast (cluster [CM, 1]), not split, grouped or swapped")
+                or key.tile[2] != 64 or key.cluster[1] != 1 or key.dtype not in DTYPES
+                or key.a_major != "k" or key.split or key.grouped or key.swap_ab):
+            raise ValueError("A loaded by the producer warpgroup (a_loads) is for persistent "
+                             "sm90 kernels of BM >= 64 and BK = 64 with a K-major 16-bit A, "
+                             "no A multicast (cluster [CM, 1]), not split, grouped or "
+                             "swapped")
         opts["a_loads"] = True
     if key.raster_n:
         if family_of(key.arch) != "sm90":

@@ -66,6 +66,29 @@ def test_first_use_compile_is_thread_safe(monkeypatch):
     assert len(built) == 1 and len(got) == 8 and all(g is got[0] for g in got)
 
 
+def _audited_ptx(key, tmp_path) -> str:
+    """`key`'s PTX (compiled here), after the PTX audit."""
+    from detgemm_cute import compile as kcompile
+
+    ptx = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}").__ptx__ or ""
+    assert aot.audit_ptx(ptx) == []
+    return ptx
+
+
+def _assert_no_spills(ptx: str, tmp_path) -> None:
+    """With ptxas at hand: the PTX assembles for sm_90a with no spill stores."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("ptxas"):
+        (tmp_path / "k.ptx").write_text(ptx)
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
+        assert info.returncode == 0, info.stderr[-500:]
+        assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
+
+
 @pytest.mark.parametrize("tile, cluster, persistent, pingpong, batched, swap", [
     ((128, 128, 64), (1, 1), False, False, False, False),
     ((128, 192, 64), (2, 1), True, False, True, False),
@@ -78,8 +101,6 @@ def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluste
     store; with ptxas at hand, nothing spills; keys the direct store cannot serve (BM < 64,
     accumulate) are refused before compiling."""
     import re
-    import shutil
-    import subprocess
 
     from detgemm_cute import compile as kcompile
 
@@ -87,17 +108,10 @@ def test_direct_store_kernels_compile_without_a_tma_store(tmp_path, tile, cluste
                              pingpong=pingpong, dtype="bf16", out_dtype="bf16", a_major="k",
                              b_form="nk", b_contig="last", has_bias=False, arch="sm_90a",
                              batched=batched, swap_ab=swap, c_direct=True)
-    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.__ptx__ or ""
-    assert aot.audit_ptx(ptx) == []
+    ptx = _audited_ptx(key, tmp_path)
     assert re.search(r"st\.global", ptx)
     assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-    if shutil.which("ptxas"):
-        (tmp_path / "k.ptx").write_text(ptx)
-        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
-                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
-        assert info.returncode == 0, info.stderr[-500:]
-        assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
+    _assert_no_spills(ptx, tmp_path)
     for refused in ({"tile": (32, 128, 64)}, {"accumulate": True}):
         with pytest.raises(ValueError, match="direct C stores"):
             kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
@@ -113,8 +127,6 @@ def test_a_loads_kernels_read_a_with_the_threads(tmp_path, tile, stages, persist
     stages whatever the bucket says; the raw ring fits beside the stages; nothing spills;
     keys it cannot serve are refused."""
     import re
-    import shutil
-    import subprocess
 
     from detgemm_cute import batched
     from detgemm_cute import compile as kcompile
@@ -128,24 +140,18 @@ def test_a_loads_kernels_read_a_with_the_threads(tmp_path, tile, stages, persist
         has_bias=False, arch="sm_90a", batched=True))
     assert key.a_loads and key.persistent and key.tile == tile and key.stages == 3
     assert 2 <= raw_stages(tile, key.stages) <= 8
-    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.__ptx__ or ""
-    assert aot.audit_ptx(ptx) == []
+    ptx = _audited_ptx(key, tmp_path)
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 16", ptx)
     assert re.search(r"ld\.shared\.v4\.b32", ptx) and re.search(r"st\.shared\.v4\.b32", ptx)
     # Tensor maps (64-byte-aligned kernel parameters): B's and C's, none for A.
     assert len(re.findall(r"\.param \.align 64 \.b8", ptx)) == 2
-    if shutil.which("ptxas"):
-        (tmp_path / "k.ptx").write_text(ptx)
-        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
-                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
-        assert info.returncode == 0, info.stderr[-500:]
-        assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
-    for refused in ({"tile": (32, 128, 64)}, {"persistent": False}, {"cluster": (1, 2)},
-                    {"a_major": "m"}, {"dtype": "tf32"}):
+    _assert_no_spills(ptx, tmp_path)
+    for refused in ({"tile": (32, 128, 64)}, {"tile": (64, 64, 128)}, {"persistent": False},
+                    {"cluster": (1, 2)}, {"a_major": "m"}, {"dtype": "tf32"}):
         with pytest.raises(ValueError, match="a_loads"):
             kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
     assert not batched.reads_a_rows("sm90", SimpleNamespace(tile=(32, 128, 64)))
+    assert not batched.reads_a_rows("sm90", SimpleNamespace(tile=(64, 64, 128)))
     assert not batched.reads_a_rows("sm80", bucket)
     assert not batched.reads_a_rows("sm90", bucket, batched.A_ROWS_MIN_K - 1)
 
