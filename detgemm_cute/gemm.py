@@ -152,8 +152,9 @@ def half_sector_rows(n: int, out_dtype: torch.dtype) -> bool:
 
 def stores_direct(arch: str, bucket, plain: bool) -> bool:
     """Whether an output whose rows TMA cannot address (a nonzero `padded_width`), or in bmm
-    would store as half sectors (`half_sector_rows`), is stored by the kernel's threads from its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no
-    split parts, no TF32, no accumulate) instead of into padded rows copied out after.
+    would store as half sectors (`half_sector_rows`), is stored by the kernel's threads from
+    its staged sub-tiles (SM90 tiles of BM >= 64, `plain`: no split parts, no TF32, no
+    accumulate) instead of into padded rows copied out after.
 
     Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
     ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 0.26-0.56x of the padded rows'

@@ -31,8 +31,8 @@ import cutlass
 import cutlass.cute as cute
 
 from . import sm90_limits
+from .sm90_base import WG
 
-WG = 128
 RAW_BARRIER = 6  # named barrier of the producer warpgroup (0: CTA, 1: epilogue, 2-5: turns)
 CHUNK = 16  # bytes per cp.async, and per chunk of the swizzled stage
 

@@ -69,9 +69,9 @@ class Sm90Base:
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
                  raster_n: bool = False, c_direct: bool = False, a_loads: bool = False):
         self.tile_shape_mnk = tuple(tile)
-        # The producer warpgroup reads A with its threads' own loads instead of TMA (any
-        # row pitch, 2-byte aligned: rows TMA cannot address), stores each k tile into the
-        # stage in WGMMA's swizzled layout, and B still arrives by TMA (persistent kernels).
+        # The producer warpgroup reads A itself instead of TMA (any row pitch, 2-byte
+        # aligned: rows TMA cannot address): 16-byte chunks into a raw ring, shifted into the
+        # swizzled stage (sm90_a_rows.py); B still arrives by TMA (persistent kernels).
         self.a_loads = a_loads
         # The tile's threads store each staged sub-tile, bounds-checked, instead of a TMA
         # box: C's rows are not 16-byte aligned, or TMA would write them as half sectors.
