@@ -90,6 +90,10 @@ def _spawned(rank, world, store, args):
         run(rank, world, args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+    # Done: leave without interpreter finalization, where gloo's threads can abort the
+    # process after the fact (as in train_data_parallel._leave).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import os
 import sys
@@ -217,16 +218,30 @@ def _spawned(rank, world, store, args, out):
     if rank == 0:
         with open(out, "w") as f:
             f.write(str(code))
+    _leave()
+
+
+def _leave() -> None:
+    """End a spawned worker whose work is done and whose groups are destroyed without
+    interpreter finalization: gloo's threads torn down while the interpreter shuts down can
+    abort the process ("terminate called without an active exception"), a failure after
+    the fact that would hide the result."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_and_close(rank, world, args, device) -> int:
     """`run`, then a barrier, so that no rank tears the process groups down while another
-    still uses them (gloo can abort the process otherwise), then destroy them."""
+    still uses them (gloo can abort the process otherwise), then destroy them. The wrappers
+    (each a module <-> engine cycle holding its group) are collected first, so the groups
+    go inside `destroy_process_group`, not at interpreter exit."""
     try:
         code = run(rank, world, args, device)
         dist.barrier()
         return code
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ from the same seed; rank r takes its slice of it (see `rank_chunks`)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shutil
 import tempfile
@@ -101,6 +102,7 @@ def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
             f.write(traceback.format_exc())
     finally:
         if dist.is_initialized():
+            gc.collect()  # wrappers (module <-> engine cycles) let their groups go here
             dist.destroy_process_group()
 
 
