@@ -93,6 +93,7 @@ def _spawned(rank, world, store, args):
     # Done: leave without interpreter finalization, where gloo's threads can abort the
     # process after the fact (as in train_data_parallel._leave).
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 
