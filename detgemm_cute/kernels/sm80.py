@@ -51,7 +51,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
+from cutlass.tensor_utils import LayoutEnum
 
 from . import sm80_limits
 from .operands import b_as_nk, with_batch_mode
@@ -103,8 +103,8 @@ class Sm80Gemm:
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
-        a_k_major = utils.LayoutEnum.from_tensor(mA) == utils.LayoutEnum.ROW_MAJOR
-        b_k_major = utils.LayoutEnum.from_tensor(mB) == utils.LayoutEnum.ROW_MAJOR
+        a_k_major = LayoutEnum.from_tensor(mA) == LayoutEnum.ROW_MAJOR
+        b_k_major = LayoutEnum.from_tensor(mB) == LayoutEnum.ROW_MAJOR
         bm, bn, bk = self.tile_shape_mnk
         self.vec = _COPY_BITS // self.a_dtype.width
 

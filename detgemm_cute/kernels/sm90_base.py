@@ -12,10 +12,10 @@ from typing import Any, NamedTuple, Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.pipeline import pipeline_init_arrive
+from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90_limits
 from .operands import as_tf32, b_as_nk, with_batch_mode
@@ -134,9 +134,9 @@ class Sm90Base:
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
-        self.a_layout = utils.LayoutEnum.from_tensor(mA)
-        self.b_layout = utils.LayoutEnum.from_tensor(mB)
-        self.c_layout = utils.LayoutEnum.from_tensor(mC)
+        self.a_layout = LayoutEnum.from_tensor(mA)
+        self.b_layout = LayoutEnum.from_tensor(mB)
+        self.c_layout = LayoutEnum.from_tensor(mC)
         self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
         # A moved last tile starts at a multiple of 16 bytes along any tensor's contiguous
         # dimension: a TMA store from an unaligned start traps (illegal instruction).
