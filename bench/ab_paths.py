@@ -16,7 +16,6 @@ path detgemm takes, "padded" the one it replaces.
     python bench/ab_paths.py --out bench/results [--suite half-sector|a-rows]
 """
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from detgemm_cute import batched, gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.timing import BENCH_PLAN, time_units
+from sweep_common import policy_replaced
 
 # (batch x heads, sequence, head_dim): q @ k^T, K a transposed view, as eager attention runs it.
 QK = [(288, 333, 64), (128, 555, 64), (96, 777, 128), (64, 1001, 128), (80, 1500, 64),
@@ -50,28 +50,15 @@ LINEAR_HALF = [(512, 4096, 1000), (4096, 4096, 1000), (8192, 1024, 3000), (2048,
                (1024, 5120, 5000), (16384, 768, 2312), (777, 4096, 11000), (128, 8192, 1528)]
 
 
-@contextlib.contextmanager
-def _switched_off(module, name):
-    """detgemm with the policy `module.name` answering False (the plans are rebuilt)."""
-    saved = getattr(module, name)
-    setattr(module, name, lambda *a: False)
-    gemm._plans.clear(), batched._plans.clear()
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-        gemm._plans.clear(), batched._plans.clear()
-
-
 def padded_rows():
     """The direct store switched off: padded output rows, copied out after (what
     gemm.output_rows asks, for both paths)."""
-    return _switched_off(gemm, "stores_direct")
+    return policy_replaced(gemm, "stores_direct", lambda *a: False)
 
 
 def staged_a_rows():
     """A's unaligned rows copied into padded rows for TMA instead of read by the threads."""
-    return _switched_off(batched, "reads_a_rows")
+    return policy_replaced(batched, "reads_a_rows", lambda *a: False)
 
 
 def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None, baseline=padded_rows) -> dict:

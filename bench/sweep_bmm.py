@@ -32,7 +32,7 @@ from detgemm_cute import batched, dispatch, gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for
 from detgemm_cute.gemm import stage_k_major
-from sweep_common import candidate_layer, time_candidates, write_records
+from sweep_common import candidate_layer, policy_replaced, time_candidates, write_records
 
 BF16 = torch.bfloat16
 # (name, query heads, head_dim): public configs; "/tpN": heads sharded N ways.
@@ -88,21 +88,12 @@ def make_sets(kind, lb, m, k, n, l2):
 DIRECT = "+direct"
 
 
-@contextlib.contextmanager
 def direct_store(on: bool):
     """Within: every bmm output is stored by the kernel's threads where the tile allows it
     (as if no row could be addressed by TMA); plans made inside are dropped on exit."""
     if not on:
-        yield
-        return
-    saved = gemm.padded_width
-    gemm.padded_width = lambda n, dt: n
-    batched._plans.clear()
-    try:
-        yield
-    finally:
-        gemm.padded_width = saved
-        batched._plans.clear()
+        return contextlib.nullcontext()
+    return policy_replaced(gemm, "padded_width", lambda n, dt: n)
 
 
 def forced(name):

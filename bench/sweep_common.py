@@ -1,14 +1,30 @@
-"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`) share: the candidates
-declared as the alternatives of one user bucket (so each is forced by name), one timed row
-of candidates and peers, and the records file."""
+"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`) and the path A/B
+(`ab_paths.py`) share: the candidates declared as the alternatives of one user bucket (so
+each is forced by name), one timed row of candidates and peers, the records file, and a
+dispatch policy replaced for a comparison."""
 
+import contextlib
 import json
 from pathlib import Path
 
-from detgemm_cute import registry
+from detgemm_cute import batched, gemm, registry
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import time_units
 from detgemm_cute.tune.layer import yaml_value
+
+
+@contextlib.contextmanager
+def policy_replaced(module, name: str, replacement):
+    """Within: `module.name` (a plan policy of `gemm` or `batched`, e.g. `stores_direct`) is
+    `replacement`; the plans are dropped on entry and on exit, so each side builds its own."""
+    saved = getattr(module, name)
+    setattr(module, name, replacement)
+    gemm._plans.clear(), batched._plans.clear()
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+        gemm._plans.clear(), batched._plans.clear()
 
 
 def candidate_layer(path: Path, op: str, name: str, candidates) -> list[str]:
