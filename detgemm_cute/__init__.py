@@ -9,6 +9,7 @@ result depends only on that row of the input and on the weight.
 from __future__ import annotations
 
 from . import nn
+from .attention import attention
 from .batched_ops import baddbmm, bmm, grouped_mm
 from .functional import addmm, bias_grad, input_grad, linear, mm, weight_grad
 from .gemm import force_bucket, use_family
@@ -17,6 +18,6 @@ from .split import fp32_precision
 
 __version__ = "0.1.0"
 
-__all__ = ["mm", "addmm", "linear", "bmm", "baddbmm", "grouped_mm", "input_grad", "weight_grad", "bias_grad", "nn",
+__all__ = ["attention", "mm", "addmm", "linear", "bmm", "baddbmm", "grouped_mm", "input_grad", "weight_grad", "bias_grad", "nn",
            "batch_invariant_mode", "enable", "disable", "report", "reset_report",
            "force_bucket", "use_family", "fp32_precision", "__version__"]

@@ -1,8 +1,10 @@
 """`batch_invariant_mode()`: PyTorch's own matmuls on CUDA, computed by detgemm.
 
 While enabled, the CUDA kernels of ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``,
-``addmv`` (plus their ``out=`` and in-place forms) are replaced through a
-``torch.library.Library("aten", "IMPL")`` registration. ``F.linear``, ``torch.matmul``,
+``addmv`` (plus their ``out=`` and in-place forms) and ``scaled_dot_product_attention``
+are replaced through a ``torch.library.Library("aten", "IMPL")`` registration (SDPA at its
+autograd key too: `attention.sdpa` says how torch's semantics map onto the invariant
+attention op, and which calls still fall back). ``F.linear``, ``torch.matmul``,
 ``@`` and ``nn.Linear`` reach these ops on CUDA, and so does autograd: the backward of a
 matmul is again ``mm``/``bmm`` on CUDA tensors, so dX and dW run on detgemm too (one fp32
 chain per backward call, rounded once; accumulation of ``.grad`` across backward calls is
@@ -36,7 +38,7 @@ import contextlib
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -308,6 +310,37 @@ def _kernel(name, fn, original):
     return impl
 
 
+_SDPA = "scaled_dot_product_attention"
+
+
+def _sdpa_kernel(original):
+    """aten::scaled_dot_product_attention on detgemm's attention (`attention.sdpa` maps torch's
+    semantics); what it cannot map falls back like a matmul: warn once, or raise when strict."""
+    from .attention import api as attention_api
+    from .attention import sdpa
+
+    def impl(keyset, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+             scale=None, enable_gqa=False):
+        args = (query, key, value, attn_mask, dropout_p, is_causal)
+        try:
+            why = _device_problem(query)
+            if why is not None:
+                _refuse(_SDPA, why, query, key, value)
+            try:
+                spec, engine, mask = sdpa.plan(*args, scale, enable_gqa,
+                                               strict=bool(_stack and _stack[-1]))
+            except sdpa.Unsupported as e:
+                _refuse(_SDPA, str(e), query, key, value)
+        except _Fallback:
+            return original.call_boxed(keyset, *args, scale=scale, enable_gqa=enable_gqa)
+        _routed[(f"sdpa[{engine}]", _NAMES[query.dtype])] += 1
+        out = attention_api.run(spec, engine, mask)
+        return out[0] if query.dim() == 3 else out
+
+    impl.__name__ = "detgemm_scaled_dot_product_attention"
+    return impl
+
+
 def _register(keys):
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
@@ -316,6 +349,11 @@ def _register(keys):
             for name, fn in _REPLACEMENTS.items():
                 original = torch.library.get_kernel(f"aten::{name}", key)
                 lib.impl(name, _kernel(name, fn, original), key, with_keyset=True)
+            # SDPA is a composite op: its autograd key must be taken too, or autograd would
+            # decompose it before the backend key is reached.
+            for sdpa_key in (key, f"Autograd{key}"):
+                original = torch.library.get_kernel(f"aten::{_SDPA}", sdpa_key)
+                lib.impl(_SDPA, _sdpa_kernel(original), sdpa_key, with_keyset=True)
     return lib
 
 
@@ -413,10 +451,12 @@ def batch_invariant_mode(strict: bool = False, *, cpu: bool = False,
 @dataclass
 class Report:
     """Calls since the last `reset_report()`: routed through detgemm by (op, dtype), and
-    fallen back to PyTorch by (op, dtype, reason)."""
+    fallen back to PyTorch by (op, dtype, reason); `attention`: every attention call (the
+    mode's SDPA and `dg.attention`) by (engine, why it is not flash)."""
 
     routed: dict
     fell_back: dict
+    attention: dict = field(default_factory=dict)
 
     @property
     def total_routed(self) -> int:
@@ -433,18 +473,25 @@ class Report:
             lines.append(f"  detgemm   aten::{op:12s} {dt:5s} {n}")
         for (op, dt, why), n in sorted(self.fell_back.items()):
             lines.append(f"  fallback  aten::{op:12s} {dt:5s} {n}  ({why})")
+        for (engine, why), n in sorted(self.attention.items()):
+            lines.append(f"  attention {engine:5s} {n}" + (f"  ({why})" if why else ""))
         return "\n".join(lines)
 
 
 def report() -> Report:
-    return Report(dict(_routed), dict(_fell_back))
+    from .attention import api as attention_api
+
+    return Report(dict(_routed), dict(_fell_back), attention_api.report())
 
 
 def reset_report() -> None:
     """Zero the counters and show each fallback warning again."""
+    from .attention import api as attention_api
+
     _routed.clear()
     _fell_back.clear()
     _warned.clear()
+    attention_api.reset_report()
 
 
 __all__ = ["batch_invariant_mode", "enable", "disable", "is_enabled", "routed_devices",
