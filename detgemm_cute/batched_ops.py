@@ -20,11 +20,11 @@ Other grouped calls (SM80, fp32 inputs, more groups than the kernel's table hold
 2-D form) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
 graph) and launch one GEMM per non-empty group, spread over a few side streams so
 consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
-Measured on an H100 (bench/results/moe_grouped_*.json): four side streams against one took
-the 8-expert layer from 727/820 us to 562/575 us at 256 tokens and 831 to 726 us at 1024
-(down); gathering small groups into one padded bmm launch was not faster past 64 rows per
-expert and was not kept. Their backward (2-D x 3-D form): dA is the 2-D x 3-D form against
-b^T, dB the 2-D x 2-D form.
+Measured on an H100 (probes summarised in bench/results/README.md): four side streams
+against one took the 8-expert layer from 727/820 us to 562/575 us at 256 tokens and 831 to
+726 us at 1024 (down); gathering small groups into one padded bmm launch was not faster past
+64 rows per expert and was not kept. Their backward (2-D x 3-D form): dA is the 2-D x 3-D
+form against b^T, dB the 2-D x 2-D form.
 
 fp32 inputs run the fp32 tier per group (`split`): the 2-D x 3-D form at the current
 precision ("tf32": each expert weight not stored K-major is staged per call), the 2-D x 2-D

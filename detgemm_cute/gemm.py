@@ -158,7 +158,7 @@ def stores_direct(arch: str, bucket, plain: bool) -> bool:
 
     Not where a warpgroup's accumulator leaves too few registers for the stores' addresses:
     ping-pong (a whole tile per warpgroup: 1.5 KB spilled, 0.26-0.56x of the padded rows'
-    speed, bench/results/direct-store-ab_*_first-try.md) and swapped 128-row tiles (12-64
+    speed: the first direct-store A/B, bench/results/README.md) and swapped 128-row tiles (12-64
     bytes spilled)."""
     tight = bucket.pingpong or (bucket.swap_ab and bucket.tile[0] > 64)
     return plain and arch == "sm90" and bucket.tile[0] >= 64 and not tight

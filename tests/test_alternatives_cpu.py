@@ -227,7 +227,7 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
     # every pool timed on the same 415 shapes; the padding term; contenders only
     ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("fwd", "dx")),
     # fitted before the padding term and the contenders rule (a mid table reselected with
-    # them ran 2-3% slower on the bench's mid rows: bench/results/gemm_*_small-mid-ab.md)
+    # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
     ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
@@ -246,7 +246,9 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     from detgemm_cute.tune.summary import all_fields, points_of
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
-    recs = read_records(sorted(p for r in records for p in root.glob(f"{r}_*.json.gz")))
+    paths = sorted(p for r in records for p in root.glob(f"{r}_nvidia-*.json.xz"))
+    assert len(paths) == len(records), paths
+    recs = read_records(paths)
     fields = all_fields(recs)
     reg = R.get_registry("sm90")
     for op in ops:
@@ -264,7 +266,7 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
 
 def test_builtin_tf32_buckets_follow_from_the_committed_records():
     """The tf32 buckets (fwd and dx share them: the same GEMM once dx's weight is staged
-    K-major) are `tune-fit`'s selection from bench/results/tune/tune_tf32_*.json.gz, whose
+    K-major) are `tune-fit`'s selection from bench/results/tune/tune_tf32_*.json.xz, whose
     records hold fwd and dx GEMMs alike as GEMM-dims problems (op fwd, `orig_op` kept)."""
     from pathlib import Path
 
@@ -273,7 +275,9 @@ def test_builtin_tf32_buckets_follow_from_the_committed_records():
     from detgemm_cute.tune.summary import all_fields, points_of
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
-    recs = read_records(sorted(root.glob("tune_tf32_*.json.gz")))
+    paths = sorted(root.glob("tune_tf32_nvidia-*.json.xz"))
+    assert len(paths) == 1, paths
+    recs = read_records(paths)
     assert {r["orig_op"] for r in recs} == {"fwd", "dx"}
     fields = all_fields(recs)
     reg = R.get_registry("sm90")

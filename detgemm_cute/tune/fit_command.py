@@ -7,7 +7,7 @@
     detgemm-cute tune-fit tune.json alts.json --ops fwd,dx --m-min 129 --keep prefill.yaml \\
         --out prefill.yaml                                   (refit on the unbiased timings)
 
-Reads one or more `--json` files of `detgemm-cute tune` (plain or .gz; records of one GEMM in
+Reads one or more `--json` files of `detgemm-cute tune` (plain, .gz or .xz; records of one GEMM in
 several files are merged), and per op writes one bucket covering --m-min <= M <= --m-max and
 --n-min <= N <= --n-max (GEMM dims; every K; the records outside are not used),
 its alternatives (selected among the contenders: candidates timed on >= 95% of the problems
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from .store import record_key
 from .summary import all_fields, points_of
 
 OPS = ("fwd", "dx", "dw")
+# compressed records (the committed ones under bench/results/tune/ are .json.xz)
+OPENERS = {".gz": gzip.open, ".xz": lzma.open}
 
 
 def read_records(paths) -> list[dict]:
@@ -39,7 +42,7 @@ def read_records(paths) -> list[dict]:
     shape: the resume file's key) merged."""
     merged: dict = {}
     for path in paths:
-        opener = gzip.open if str(path).endswith(".gz") else open
+        opener = OPENERS.get(Path(path).suffix, open)
         with opener(path, "rt") as f:
             doc = json.load(f)
         for rec in doc.get("records") or []:
@@ -98,7 +101,7 @@ def fit_op(records, op: str, args, out) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz ok)")
+    p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz or .xz ok)")
     p.add_argument("--ops", default="fwd,dx,dw")
     p.add_argument("--m-min", type=int, default=1, help="the buckets serve GEMM M >= this")
     p.add_argument("--m-max", type=int, default=None, help="... and M <= this (default: any)")
