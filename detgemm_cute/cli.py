@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     a = sub.add_parser("audit", help="validate the dispatch tables and print them")
-    a.add_argument("--arch", help="only this arch (default: every configs/*.yaml)")
+    a.add_argument("--arch", help="only this arch (default: every kernel family)")
     a.add_argument("--config", action="append", metavar="FILE",
                    help="also validate this user config as a layer (repeatable)")
     a.set_defaults(func=cmd_audit)

@@ -25,6 +25,7 @@ import importlib
 import os
 import threading
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -33,7 +34,19 @@ from . import wave_cost
 from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
 from .kernels.limits_common import config_label
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+def _builtin_dir() -> Path:
+    """Where the built-in tables are. An installed package carries them as package data,
+    `detgemm_cute/configs/*.yaml` (the build maps the repository's top-level `configs/`
+    there); a package imported from a source checkout (on PYTHONPATH, or installed editable)
+    reads the checkout's `configs/`, next to the package directory."""
+    packaged = resources.files(__package__) / "configs"
+    if isinstance(packaged, Path) and packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+BUILTIN_DIR = _builtin_dir()
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
 OPS = ("fwd", "dx", "dw", "bmm", "grouped")
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
@@ -519,7 +532,7 @@ def load_config(path, *, complete: bool = False, arch: str | None = None,
     probs = _Problems(path)
     if not isinstance(doc, dict):
         probs.add(None, f"expected a mapping with keys {', '.join(_TOP_KEYS)}, got "
-                        f"{_type_name(doc)}")
+                        f"{_type_name(doc)}" + (" (the file is empty)" if doc is None else ""))
         raise ConfigError(path, probs.lines)
     for key, key_line in doc.repeated:
         probs.add(key_line, "given more than once", None, key)
@@ -581,8 +594,9 @@ def load_builtin(arch: str) -> ConfigFile:
     path = builtin_path(arch)
     if not path.is_file():
         raise ArchNotAvailable(
-            f"the {FAMILY_NAMES.get(arch, arch)} kernel family is not available yet: no "
-            f"built-in table {show_path(path)}; the installation is incomplete")
+            f"no built-in table for the {FAMILY_NAMES.get(arch, arch)} kernel family: "
+            f"{show_path(path)} is missing; the installation is incomplete (reinstall "
+            f"detgemm-cute)")
     return load_config(path, complete=True, arch=arch, origin="built-in")
 
 

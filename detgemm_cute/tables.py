@@ -67,7 +67,9 @@ def audit_one(arch: str, extra: list, out) -> None:
 
 def audit(arch: str | None, configs, out, err) -> int:
     """Validate and list every table (or `arch`'s) with the user `configs` layered on top.
-    Problems go to `err` (one string); returns 0 when every table is valid, else 1."""
+    Every kernel family must have its built-in table: a missing or empty one is a problem,
+    so an installation without its tables cannot pass. Problems go to `err` (one string);
+    returns 0 when every table is valid, else 1."""
     problems, extra = [], {}
     for p in configs:
         try:
@@ -77,7 +79,7 @@ def audit(arch: str | None, configs, out, err) -> int:
             continue
         extra.setdefault(f.arch, []).append(f)
     builtins = {p.stem for p in reg.BUILTIN_DIR.glob("*.yaml")}
-    arches = [arch] if arch else sorted(builtins | set(extra))
+    arches = [arch] if arch else sorted(set(reg.LIMITS_MODULES) | builtins | set(extra))
     for i, a in enumerate(arches):
         if i:
             out("")
