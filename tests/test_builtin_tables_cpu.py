@@ -114,3 +114,15 @@ def test_demo_fails_without_tables(tables_dir, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "no built-in table for the SM90 (TMA + WGMMA) kernel family" in err
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """pyproject lists packages explicitly: a new subpackage left out would be missing from
+    the installed wheel though every test of the checkout passes."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "detgemm_cute").rglob("__init__.py")}
+    assert found <= listed, f"not packaged: {sorted(found - listed)}"
