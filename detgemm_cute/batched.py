@@ -150,7 +150,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out_dtype = out_dtype or a.dtype
     if lb == 0 or m == 0 or n == 0 or k == 0:
         r = torch.zeros((lb, m, n), dtype=torch.float32, device=a.device)
-        return (r + bias.float() if bias is not None else r).to(out_dtype)
+        r = (r + bias.float() if bias is not None else r).to(out_dtype)
+        return _cpu_nans(r)
     if a.device.type == "cpu":
         return _on_cpu(a, b, bias, out_dtype)
     if lb == 1:  # one entry: the 2-D path (same chain; any batch stride)
@@ -190,6 +191,15 @@ def _launch(plan, a, b, c, bias, lb):
     for s in range(0, lb, plan.chunk):
         e = min(lb, s + plan.chunk)
         plan.fn(a[s:e], b[s:e], c[s:e], bias, plan.max_clusters)
+
+
+def _cpu_nans(t):
+    """NaNs the CPU computed, as the reference models the GPU's (`canonical_nans`)."""
+    if t.device.type != "cpu":
+        return t
+    from . import reference
+
+    return reference.canonical_nans(t)
 
 
 def _on_cpu(a, b, bias, out_dtype):

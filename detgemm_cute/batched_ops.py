@@ -148,7 +148,7 @@ def scaled_sum(y32: Tensor, input: Tensor, beta, alpha, dtype) -> Tensor:
     r = y32 if alpha == 1 else y32 * alpha
     if beta != 0:
         r = r + (input.float() if beta == 1 else input.float() * beta)
-    return r.to(dtype)
+    return batched._cpu_nans(r.to(dtype))
 
 
 def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,

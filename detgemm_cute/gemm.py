@@ -405,7 +405,7 @@ def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):
         if acc is not None:
             return acc.copy_(y)
         y = y if bias is None else y + bias
-        return y.to(out_dtype)
+        return reference.canonical_nans(y.to(out_dtype))
     if acc is not None:
         return acc.copy_(reference.chain(a, b_kn, acc, op=op))
     if b_form == "nk":
