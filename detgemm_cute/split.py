@@ -68,15 +68,26 @@ def fp32_precision(precision: str):
     precision their forward ran at, also outside the block and on autograd's device thread.
     A backward compiled by torch.compile, and autograd's own matmul backward in the mode,
     read the precision when they run."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"fp32_precision: precision must be one of {PRECISIONS}, got "
-                         f"{precision!r}")
+    checked_precision(precision, "fp32_precision", none_ok=False)
     prev = getattr(_local, "precision", None)
     _local.precision = precision
     try:
         yield
     finally:
         _local.precision = prev
+
+
+def checked_precision(precision, op: str, none_ok: bool = True):
+    """`precision` when it is "ieee", "tf32" (or None, with `none_ok`), else a TypeError (not
+    a string) or ValueError naming the argument and `op`."""
+    if (precision is None and none_ok) or (isinstance(precision, str)
+                                            and precision in PRECISIONS):
+        return precision
+    allowed = f"one of {PRECISIONS}" + (" or None" if none_ok else "")
+    if not isinstance(precision, str):
+        raise TypeError(f"{op}: precision must be {allowed}, got {type(precision).__name__} "
+                        f"{precision!r}")
+    raise ValueError(f"{op}: precision must be {allowed}, got {precision!r}")
 
 
 def forward_precision(dtype: torch.dtype) -> str | None:
@@ -342,7 +353,8 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["PRECISIONS", "fp32_precision", "precision", "forward_precision", "at_precision",
+__all__ = ["PRECISIONS", "fp32_precision", "checked_precision", "precision",
+           "forward_precision", "at_precision",
            "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
            "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]
