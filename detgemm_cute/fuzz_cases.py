@@ -8,8 +8,8 @@ of one case see the same numbers.
 
 Layouts (per operand, the same values stored differently): ``contig``; ``t`` (the last two
 dims stored transposed); ``offset`` (an odd storage offset: a misaligned base); ``wider``
-(a window of a buffer one element in and three wider); ``bcast`` (a batch of equal entries
-with batch stride 0). Special values: ``wide`` (exponents spread over the dtype's range),
+(a window of a buffer one element in and three wider); ``bcast`` (equal entries along the
+first dim, stored once with stride 0: a batch of equal matrices, or equal rows). Special values: ``wide`` (exponents spread over the dtype's range),
 ``nan`` (NaNs of several payloads and signs), ``inf``, ``huge`` (near the largest finite
 value: sums overflow), ``tiny`` (the smallest normal), ``subnormal``, ``zero`` (+-0),
 ``mixed`` (all of them).
@@ -120,10 +120,11 @@ def _capped(dims, max_macs):
     return tuple(dims)
 
 
-def _layouts(rng, names, bcast=()):
+def _layouts(rng, names):
+    """A layout per operand (an accumulation buffer may not share memory: no bcast)."""
     out = []
     for name in names:
-        choices = LAYOUTS + (("bcast",) if name in bcast else ())
+        choices = LAYOUTS + (() if name == "acc" else ("bcast",))
         out.append((name, rng.choice(choices) if rng.random() < 0.6 else "contig"))
     return tuple(out)
 
@@ -168,7 +169,7 @@ def _draw_bias_grad(rng, hi):
 def _draw_bmm(rng, hi, addend=False):
     dims = (("L", _dim(rng, 64, True)), ("M", _dim(rng, hi, True)), ("K", _dim(rng, hi)),
             ("N", _dim(rng, hi)))
-    fields = {"dims": dims, "layouts": _layouts(rng, ("a", "b"), bcast=("a", "b")),
+    fields = {"dims": dims, "layouts": _layouts(rng, ("a", "b")),
               "out_dtype": _out_dtype(rng)}
     if not addend:
         fields["bias"] = rng.random() < 0.3
@@ -252,7 +253,7 @@ def place(t: torch.Tensor, layout: str, device) -> torch.Tensor:
     if layout == "wider":
         buf = torch.empty((*t.shape[:-1], t.shape[-1] + 3), dtype=t.dtype, device=device)
         return buf[..., 1:1 + t.shape[-1]].copy_(t)
-    if layout == "bcast":  # entries equal (drawn so): one entry, batch stride 0
+    if layout == "bcast":  # entries along dim 0 equal (drawn so): one entry, stride 0
         return t[:1].to(device).expand(t.shape)
     return t.to(device)
 

@@ -99,6 +99,16 @@ def test_a_tma_need_is_strict_on_single_entry_dims():
     assert needs.tma_unit_dim(torch.zeros(1, 8, dtype=torch.bfloat16)) == "last"
 
 
+def test_rows_sharing_memory_are_staged_for_tma():
+    """An expanded operand (row or batch stride 0) is not read in place by TMA."""
+    row = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert needs.tma_unit_dim(row.expand(5, 64)) is None
+    assert needs.tma_unit_dim(torch.zeros(1, 8, 64, dtype=torch.bfloat16).expand(3, 8, 64)) \
+        is None
+    assert needs.tma_unit_dim(torch.zeros(1, 8, 64, dtype=torch.bfloat16)) == "last"
+    assert needs.SPLIT_ROWS.meets(torch.zeros(1, 64).expand(5, 64))  # plain loads: fine
+
+
 def test_conform_copies_what_contiguous_would_keep():
     """An already contiguous view at an odd offset: ``contiguous()`` returns it unchanged
     (misaligned); `conform` copies it into aligned memory."""

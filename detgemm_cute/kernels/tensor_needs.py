@@ -25,7 +25,7 @@ VEC_BYTES = 16  # TMA, cp.async and 16-byte vector loads: base and non-unit stri
 # Per-dim stride rules of a `Need` (torch dim order).
 UNIT = "unit"  # stride 1
 BYTES16 = "16B"  # a multiple of 16 bytes
-BATCH16 = "batch16B"  # a nonzero multiple of 16 bytes (a batch mode TMA walks)
+STEP16 = "step16B"  # a nonzero multiple of 16 bytes (a mode TMA walks: no aliased rows)
 ANY = "any"  # any stride
 ELEMENT = 0  # `Need.align`: the element size (any tensor of its dtype meets it)
 
@@ -35,7 +35,7 @@ class Need:
     """What a kernel assumes of one tensor argument.
 
     align: bytes the base address is a multiple of (`ELEMENT`: the element size).
-    strides: per dim, `UNIT`, `BYTES16`, `BATCH16`, `ANY` or an int (exactly that stride).
+    strides: per dim, `UNIT`, `BYTES16`, `STEP16`, `ANY` or an int (exactly that stride).
     loose: dims whose stride is free where they hold a single entry (the launch's own check
     skips them; the kernel never steps along them). TMA descriptors encode every stride,
     so the dims of a TMA operand are loose only where the kernel folds them away."""
@@ -66,7 +66,7 @@ def _stride_ok(rule, stride: int, el: int) -> bool:
         return stride == 1
     if rule == BYTES16:
         return stride * el % VEC_BYTES == 0
-    if rule == BATCH16:
+    if rule == STEP16:
         return stride != 0 and stride * el % VEC_BYTES == 0
     return stride == rule
 
@@ -95,7 +95,7 @@ def fake(dtype, shape, need: Need, strides=None):
     def sym(rule):
         if rule == UNIT:
             return 1
-        if rule in (BYTES16, BATCH16):
+        if rule in (BYTES16, STEP16):
             return cute.sym_int64(divisibility=div)
         if rule == ANY:
             return cute.sym_int64()
@@ -110,11 +110,13 @@ def fake(dtype, shape, need: Need, strides=None):
 # The GEMM kernels (both families; compile._make_fakes). A and B are read by TMA (SM90) or
 # cp.async (SM80): 16-byte base, 16-byte non-unit strides, one unit-stride dim.
 
-TMA_K_LAST = Need(VEC_BYTES, (BYTES16, UNIT))  # [rows, cols], cols contiguous ("last")
-TMA_FIRST = Need(VEC_BYTES, (UNIT, BYTES16))  # [rows, cols], rows contiguous ("first")
+# A stride of 0 (rows or entries sharing memory: an expanded view) is staged: a TMA
+# descriptor walks its modes with steps of 16 bytes or more.
+TMA_K_LAST = Need(VEC_BYTES, (STEP16, UNIT))  # [rows, cols], cols contiguous ("last")
+TMA_FIRST = Need(VEC_BYTES, (UNIT, STEP16))  # [rows, cols], rows contiguous ("first")
 # [L, rows, cols] batches (bmm, grouped weights): the batch stride too, unless one entry.
-TMA_BATCH_LAST = Need(VEC_BYTES, (BATCH16, BYTES16, UNIT), loose=(0,))
-TMA_BATCH_FIRST = Need(VEC_BYTES, (BATCH16, UNIT, BYTES16), loose=(0,))
+TMA_BATCH_LAST = Need(VEC_BYTES, (STEP16, STEP16, UNIT), loose=(0,))
+TMA_BATCH_FIRST = Need(VEC_BYTES, (STEP16, UNIT, STEP16), loose=(0,))
 BIAS = Need(2, (UNIT,))  # read element by element: any 2-byte-aligned unit-stride row
 OFFS = Need(4, (UNIT,))  # grouped: int32 cumulative row ends
 
@@ -163,7 +165,7 @@ def tma_unit_dim(t) -> str | None:
 
 
 __all__ = ["Need", "conform", "fake", "tma_unit_dim", "tma_operand", "a_rows", "c_direct",
-           "VEC_BYTES", "UNIT", "BYTES16", "BATCH16", "ANY", "ELEMENT", "TMA_K_LAST",
+           "VEC_BYTES", "UNIT", "BYTES16", "STEP16", "ANY", "ELEMENT", "TMA_K_LAST",
            "TMA_FIRST", "TMA_BATCH_LAST", "TMA_BATCH_FIRST", "BIAS", "OFFS", "SPLIT_ROWS",
            "SPLIT_PARTS", "SPLIT_SCALES", "COPY_ROWS_SRC", "COPY_ROWS_DST", "TRANSPOSE_SRC",
            "TRANSPOSE_DST"]
