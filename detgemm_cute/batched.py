@@ -26,7 +26,8 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
-from .gemm import (_ALIGN, _NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
+from .kernels import tensor_needs as needs
+from .gemm import (_NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
                    max_clusters_for, output_rows, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
@@ -36,16 +37,8 @@ _plans: dict = {}
 def _inner_unit(t: torch.Tensor) -> str | None:
     """Which of the last two dims of a 3-D operand TMA can take as contiguous ("last" or
     "first"), or None when it must be staged: as `gemm._unit_dim` per entry, plus a batch
-    stride that is a nonzero multiple of 16 bytes (or a single entry)."""
-    s0, s1, s2 = t.stride()
-    el = _ALIGN // t.element_size()
-    if t.data_ptr() % _ALIGN or (t.shape[0] > 1 and (s0 == 0 or s0 % el)):
-        return None
-    if s2 == 1 and s1 % el == 0:
-        return "last"
-    if s1 == 1 and s2 % el == 0 and t.shape[2] > 1:
-        return "first"
-    return None
+    stride that is a nonzero multiple of 16 bytes (or a single entry); `tensor_needs`."""
+    return needs.tma_unit_dim(t)
 
 
 # Below this K the copy into padded rows was faster: each tile waits one memory latency
@@ -105,7 +98,7 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     arch = arch_of(a.device)
-    a_loads = (stage_a and dtype != TF32 and a.stride(2) == 1
+    a_loads = (stage_a and dtype != TF32 and needs.a_rows(batched=True).meets(a)
                and reads_a_rows(arch, bucket, a.shape[2]))
     stage_a = stage_a and not a_loads
     c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
@@ -157,7 +150,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out_dtype = out_dtype or a.dtype
     if lb == 0 or m == 0 or n == 0 or k == 0:
         r = torch.zeros((lb, m, n), dtype=torch.float32, device=a.device)
-        return (r + bias.float() if bias is not None else r).to(out_dtype)
+        r = (r + bias.float() if bias is not None else r).to(out_dtype)
+        return _cpu_nans(r)
     if a.device.type == "cpu":
         return _on_cpu(a, b, bias, out_dtype)
     if lb == 1:  # one entry: the 2-D path (same chain; any batch stride)
@@ -180,8 +174,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         a = stage_k_major(a, True)
     if plan.stage_b:
         b = stage_k_major(b, False)  # [L, N, Kp]: the "nk" form
-    if bias is not None and bias.stride(0) != 1:
-        bias = bias.contiguous()
+    if bias is not None:
+        bias = needs.conform(bias, needs.BIAS)
     if plan.pad_cols:
         c = torch.empty((lb, m, plan.pad_cols), dtype=out_dtype, device=a.device)[:, :, :n]
     else:
@@ -197,6 +191,15 @@ def _launch(plan, a, b, c, bias, lb):
     for s in range(0, lb, plan.chunk):
         e = min(lb, s + plan.chunk)
         plan.fn(a[s:e], b[s:e], c[s:e], bias, plan.max_clusters)
+
+
+def _cpu_nans(t):
+    """NaNs the CPU computed, as the reference models the GPU's (`canonical_nans`)."""
+    if t.device.type != "cpu":
+        return t
+    from . import reference
+
+    return reference.canonical_nans(t)
 
 
 def _on_cpu(a, b, bias, out_dtype):

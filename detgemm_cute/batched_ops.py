@@ -33,6 +33,7 @@ form -- dW's GEMM -- at full precision always. The backward runs at the forward'
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -110,7 +111,7 @@ def bmm(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
     each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast).
     `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision."""
     if precision is not None:
-        with split.fp32_precision(precision):
+        with split.fp32_precision(split.checked_precision(precision, "detgemm_cute.bmm")):
             return bmm(a, b, bias=bias, out_dtype=out_dtype)
     if _direct((a, b, bias)) and not (isinstance(a, Tensor) and a.is_meta):
         return batched.checked_bmm(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
@@ -148,7 +149,7 @@ def scaled_sum(y32: Tensor, input: Tensor, beta, alpha, dtype) -> Tensor:
     r = y32 if alpha == 1 else y32 * alpha
     if beta != 0:
         r = r + (input.float() if beta == 1 else input.float() * beta)
-    return r.to(dtype)
+    return batched._cpu_nans(r.to(dtype))
 
 
 def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
@@ -157,16 +158,21 @@ def baddbmm(input: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1,
     = 1 and an input that is one broadcast row of N values, it is the bias of `bmm` (added in
     fp32 before the one rounding); otherwise the fp32 product is scaled and summed in fp32
     and rounded once."""
+    op = "detgemm_cute.baddbmm"
     if not isinstance(input, Tensor):
-        raise TypeError(f"detgemm_cute.baddbmm: input must be a torch.Tensor, got "
-                        f"{type(input).__name__}")
-    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == 3 and b.dim() == 3:
-        check_addend(input, (a.shape[0], a.shape[1], b.shape[2]), a.device,
-                     "detgemm_cute.baddbmm")
-    dtype = out_dtype or (a.dtype if isinstance(a, Tensor) else None)
-    if beta == 1 and alpha == 1 and isinstance(b, Tensor) and b.dim() == 3:
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in GEMM_DTYPES:  # added in fp32: a float of detgemm's dtypes
+        raise TypeError(f"{op}: input must be torch.bfloat16, torch.float16 or torch.float32, "
+                        f"got {input.dtype}")
+    for name, value in (("beta", beta), ("alpha", alpha)):
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
+    check_bmm_args(a, b, None, out_dtype, op, _NAMES, check_device=False)
+    check_addend(input, (a.shape[0], a.shape[1], b.shape[2]), a.device, op)
+    dtype = out_dtype or a.dtype
+    if beta == 1 and alpha == 1:
         row = bias_row(input, b.shape[2])
-        if row is not None and row.dtype == getattr(a, "dtype", None):
+        if row is not None and row.dtype == a.dtype:
             return bmm(a, b, bias=row, out_dtype=out_dtype)
     y32 = bmm(a, b, out_dtype=torch.float32)
     return scaled_sum(y32, input, beta, alpha, dtype)
@@ -349,7 +355,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *,
     `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision (the 2-D x 2-D
     weight-gradient form runs full precision at either, as dW does)."""
     if precision is not None:
-        with split.fp32_precision(precision):
+        with split.fp32_precision(split.checked_precision(precision, "detgemm_cute.grouped_mm")):
             return grouped_mm(a, b, offs, out_dtype=out_dtype)
     if _direct((a, b, offs)) and not (isinstance(a, Tensor) and a.is_meta):
         return _grouped_impl(a, b, offs, out_dtype, "detgemm_cute.grouped_mm")

@@ -227,6 +227,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--bias", help="bias [N] saved with torch.save")
     v.set_defaults(func=cmd_verify)
 
+    from .fuzz import add_arguments as fuzz_arguments
+    from .fuzz import command as cmd_fuzz
+
+    z = sub.add_parser("fuzz", help="random problems on the GPU vs the CPU reference, bit "
+                                    "for bit (or the reference vs itself: --device cpu)")
+    fuzz_arguments(z)
+    z.set_defaults(func=cmd_fuzz)
+
     b = sub.add_parser("bench", help="benchmark against cuBLAS (source tree only)")
     b.add_argument("rest", nargs=argparse.REMAINDER,
                    help="arguments for bench/bench_gemm.py (`bench --help` lists them)")

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 DTYPES = ("bf16", "fp16")
 OUT_DTYPES = ("bf16", "fp16", "fp32")
-_ALIGN_BYTES = 16  # TMA / cp.async: base address and every non-unit stride 16-byte aligned
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,14 @@ def _cutlass_dtype(name: str):
 
 
 def _make_fakes(key: KernelKey):
+    """The fake tensors `key`'s kernel is compiled against, each from its `tensor_needs`
+    need: what the staging decisions check the launch's tensors against."""
     import cutlass.cute as cute
 
     import cutlass
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernels import tensor_needs as needs
 
     in_t, out_t = _cutlass_dtype(key.dtype), _cutlass_dtype(key.out_dtype)
     # A and B get their own K: a staged (zero-padded) operand may be longer in K than the
@@ -102,34 +105,25 @@ def _make_fakes(key: KernelKey):
     m, n, k_a, k_b = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch = cute.sym_int() if key.batched or key.grouped else None
 
-    def fake(dtype, shape, unit_last, batched=key.batched):
-        div = _ALIGN_BYTES * 8 // dtype.width
-        s = cute.sym_int64(divisibility=div)
-        stride = (s, 1) if unit_last else (1, s)
-        if batched:  # torch order [L, rows, cols], any 16-byte-aligned batch stride
-            shape, stride = (batch, *shape), (cute.sym_int64(divisibility=div), *stride)
-        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=_ALIGN_BYTES)
+    def shaped(shape, batched):  # torch order [L, rows, cols] for a batch
+        return (batch, *shape) if batched else shape
 
-    a = fake(in_t, (m, k_a), key.a_major == "k")
-    if key.a_loads:  # K-major, any row (and batch) stride, any 2-byte-aligned start
-        a_shape, a_stride = (m, k_a), (cute.sym_int64(), 1)
-        if key.batched:
-            a_shape, a_stride = (batch, m, k_a), (cute.sym_int64(), *a_stride)
-        a = make_fake_tensor(in_t, a_shape, stride=a_stride, assumed_align=in_t.width // 8)
+    if key.a_loads:  # K-major, any row (and batch) stride, any element-aligned start
+        a = needs.fake(in_t, shaped((m, k_a), key.batched), needs.a_rows(key.batched))
+    else:
+        a = needs.fake(in_t, shaped((m, k_a), key.batched),
+                       needs.tma_operand(key.a_major == "k", key.batched))
     b_shape = (n, k_b) if key.b_form == "nk" else (k_b, n)
-    b = fake(in_t, b_shape, key.b_contig == "last", key.batched or key.grouped)
-    c = fake(out_t, (m, n), not key.swap_ab)  # swapped: an M-major view of the output
-    if key.c_direct:  # any row stride, any 2-byte-aligned start
-        c_stride = (cute.sym_int64(), 1) if not key.swap_ab else (1, cute.sym_int64())
-        c_shape = (m, n)
-        if key.batched:
-            c_shape, c_stride = (batch, m, n), (cute.sym_int64(), *c_stride)
-        c = make_fake_tensor(out_t, c_shape, stride=c_stride, assumed_align=out_t.width // 8)
+    b_batched = key.batched or key.grouped
+    b = needs.fake(in_t, shaped(b_shape, b_batched),
+                   needs.tma_operand(key.b_contig == "last", b_batched))
+    c_need = (needs.c_direct(key.swap_ab, key.batched) if key.c_direct  # any row stride
+              else needs.tma_operand(not key.swap_ab, key.batched))  # swapped: M-major view
+    c = needs.fake(out_t, shaped((m, n), key.batched), c_need)
     bias_len = m if key.swap_ab else n
-    bias = make_fake_tensor(in_t, (bias_len,), stride=(1,), assumed_align=2) \
-        if key.has_bias else None
+    bias = needs.fake(in_t, (bias_len,), needs.BIAS) if key.has_bias else None
     if key.grouped:  # the groups' cumulative row ends take the bias's place
-        bias = make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4)
+        bias = needs.fake(cutlass.Int32, (batch,), needs.OFFS)
     return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 

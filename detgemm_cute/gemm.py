@@ -26,8 +26,9 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split, staging
 from .errors import check_gemm_args
+from .kernels import tensor_needs as needs
 
-_ALIGN = 16
+_ALIGN = needs.VEC_BYTES
 _MAX_DIM = 2**31 - 1
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 TF32 = "tf32"  # the dtype name of fp32 operands on the TF32 kernels (tables, kernel keys)
@@ -95,16 +96,9 @@ def _gpu_arch(arch: str, device: torch.device) -> str:
 def _unit_dim(t: torch.Tensor) -> str | None:
     """Which dim of a 2-D operand TMA can take as contiguous ("last" or "first"), or None
     when it cannot read the tensor in place (no unit stride, a non-unit stride that is not
-    a multiple of 16 bytes, or a base pointer not 16-byte aligned)."""
-    s0, s1 = t.stride()
-    if t.data_ptr() % _ALIGN:
-        return None
-    el = _ALIGN // t.element_size()
-    if s1 == 1 and s0 % el == 0:
-        return "last"
-    if s0 == 1 and s1 % el == 0 and t.shape[1] > 1:
-        return "first"
-    return None
+    a multiple of 16 bytes, or a base pointer not 16-byte aligned): `tensor_needs`'s check
+    against the needs the kernels are compiled with."""
+    return needs.tma_unit_dim(t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,7 +260,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         b_contig=b_contig, has_bias=bias is not None, arch=_gpu_arch(arch, a.device),
         accumulate=acc is not None, split=bool(split_in), swap_ab=swap, c_direct=c_direct)
     max_clusters = max_clusters_for(a.device, bucket.cluster)
-    bias_copy = bias is not None and bias.stride(0) != 1
+    bias_copy = bias is not None and not needs.BIAS.meets(bias)
     acc_copy = acc is not None and (pad_cols > 0 or _unit_dim(acc) != "last")
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
                  max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None,
@@ -345,7 +339,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     if plan.stage_b:
         b = stage_k_major(b, b_form == "nk")
     if plan.bias_copy:
-        bias = bias.contiguous()
+        bias = needs.conform(bias, needs.BIAS)
     if acc is not None and not plan.acc_copy:
         c = acc
     elif out is not None and not plan.pad_cols and _unit_dim(out) == "last":
@@ -411,7 +405,7 @@ def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):
         if acc is not None:
             return acc.copy_(y)
         y = y if bias is None else y + bias
-        return y.to(out_dtype)
+        return reference.canonical_nans(y.to(out_dtype))
     if acc is not None:
         return acc.copy_(reference.chain(a, b_kn, acc, op=op))
     if b_form == "nk":

@@ -22,6 +22,7 @@ from . import dispatch, registry
 from .batched import _inner_unit
 from .gemm import (_NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_for,
                    padded_width, stage_k_major)
+from .kernels import tensor_needs as needs
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
 _plans: dict = {}
@@ -112,8 +113,8 @@ def _run(plan, x, w, offs, out_dtype):
     else:
         out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     if t:
-        launch_on(x.device, plan.fn, x, w, out, offs if offs.stride(0) == 1 else
-                  offs.contiguous(), plan.max_clusters)
+        launch_on(x.device, plan.fn, x, w, out, needs.conform(offs, needs.OFFS),
+                  plan.max_clusters)
     return out.contiguous() if plan.pad_cols else out
 
 

@@ -68,6 +68,13 @@ class ChainModel:
         "plus" - gives +0.
         "keep" - keeps its sign, so a negative one gives -0 (IEEE).
     An exactly zero block sum is always +0 (an integer adder has no -0).
+    nan_bits: the bit pattern of a NaN result (`canonical_nans`).
+        "unmodelled" - whatever the CPU's arithmetic and conversions give (payloads and
+                       signs of the inputs may survive); compare NaNs as NaN (`bits`).
+        "canonical"  - the output dtype's canonical NaN, whatever the inputs' payloads and
+                       signs: 0x7FFFFFFF (fp32), 0x7FFF (bf16 and fp16), as PTX arithmetic
+                       and conversions write it. Set as the default only where a GPU probe
+                       (bench/probe_nan.py) found every NaN the GPU computes so.
     """
 
     subnormal_inputs: str = "emin"
@@ -75,6 +82,7 @@ class ChainModel:
     acc_subnormals: str = "keep"
     overflow: str = "inf"
     underflow_sign: str = "plus"
+    nan_bits: str = "unmodelled"
 
     def __post_init__(self):
         for field, values in _CHOICES.items():
@@ -91,7 +99,7 @@ class ChainModel:
 
 _CHOICES = {"subnormal_inputs": ("emin", "exact", "flush"), "zero_acc": ("ignore", "emin"),
             "acc_subnormals": ("keep", "flush"), "overflow": ("inf", "saturate"),
-            "underflow_sign": ("plus", "keep")}
+            "underflow_sign": ("plus", "keep"), "nan_bits": ("unmodelled", "canonical")}
 
 
 # The model every function uses unless given another; change it here once measured.
@@ -390,11 +398,31 @@ def _accumulate(a, b_nk, acc, model, op="fwd", precision=None):
     return _chain(a, b_nk, acc, model)
 
 
-def _epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
-    """Bias as fp32, one IEEE fp32 add (round to nearest even), one rounding to out_dtype."""
+def _epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+              model: ChainModel):
+    """Bias as fp32, one IEEE fp32 add (round to nearest even), one rounding to out_dtype;
+    NaNs as the model writes them."""
     if bias is not None:
         acc = acc + bias.to(torch.float32)
-    return acc.to(out_dtype)
+    return canonical_nans(acc.to(out_dtype), model)
+
+
+_CANONICAL_NAN = {torch.float32: 0x7FFFFFFF, torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF}
+
+
+def canonical_nans(t: torch.Tensor, model: ChainModel | None = None) -> torch.Tensor:
+    """`t` with every NaN as the model writes it: the dtype's canonical NaN when
+    ``model.nan_bits == "canonical"`` (default model: `MODEL`), else `t` unchanged. The CPU
+    paths of the ops apply it to what they compute, so their NaN bits are the GPU's where
+    the model claims them."""
+    model = MODEL if model is None else model
+    if model.nan_bits != "canonical" or t.dtype not in _CANONICAL_NAN:
+        return t
+    nan = torch.isnan(t)
+    if not bool(nan.any()):
+        return t
+    pattern = torch.tensor(_CANONICAL_NAN[t.dtype], dtype=_INT_OF[t.dtype]).view(t.dtype)
+    return torch.where(nan, pattern.to(t.device), t)
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,7 +469,9 @@ def chain(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, *,
         if tuple(acc.shape) != want:
             raise ValueError(f"{op}: acc must have shape [M, N] = {list(want)}, got "
                              f"{tuple(acc.shape)}")
-    return _accumulate(_cpu(a), _cpu(b).t(), _cpu(acc), _model(model), gemm_op, precision)
+    model = _model(model)
+    return canonical_nans(_accumulate(_cpu(a), _cpu(b).t(), _cpu(acc), model, gemm_op,
+                                      precision), model)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, *,
@@ -449,8 +479,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, *
     """``a [M, K] @ b [K, N]`` -> [M, N] in ``out_dtype`` (default a's dtype), on CPU."""
     op = "detgemm_cute.reference.mm"
     check_gemm_args(a, b, "kn", None, out_dtype, op, ("a", "b", "bias"), check_device=False)
-    acc = _accumulate(_cpu(a), _cpu(b).t(), None, _model(model))
-    return _epilogue(acc, None, out_dtype or a.dtype)
+    model = _model(model)
+    acc = _accumulate(_cpu(a), _cpu(b).t(), None, model)
+    return _epilogue(acc, None, out_dtype or a.dtype, model)
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -460,8 +491,9 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if bias is None:
         raise TypeError(f"{op}: bias must be a torch.Tensor, got None (use mm)")
     check_gemm_args(a, b, "kn", bias, out_dtype, op, ("a", "b", "bias"), check_device=False)
-    acc = _accumulate(_cpu(a), _cpu(b).t(), None, _model(model))
-    return _epilogue(acc, _cpu(bias), out_dtype or a.dtype)
+    model = _model(model)
+    acc = _accumulate(_cpu(a), _cpu(b).t(), None, model)
+    return _epilogue(acc, _cpu(bias), out_dtype or a.dtype, model)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -476,8 +508,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])
     check_gemm_args(x2, weight, "nk", bias, out_dtype, op, ("input", "weight", "bias"),
                     check_device=False)
-    acc = _accumulate(_cpu(x2), _cpu(weight), None, _model(model))
-    y = _epilogue(acc, _cpu(bias), out_dtype or x.dtype)
+    model = _model(model)
+    acc = _accumulate(_cpu(x2), _cpu(weight), None, model)
+    y = _epilogue(acc, _cpu(bias), out_dtype or x.dtype, model)
     return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])  # 2-D: not a view
 
 
@@ -560,4 +593,4 @@ def verify(x: torch.Tensor, weight: torch.Tensor, result: torch.Tensor,
 
 
 __all__ = ["ChainModel", "MODEL", "chain", "mm", "addmm", "linear", "verify",
-           "VerifyResult", "bits", "same_bits", "IN_DTYPES", "OUT_DTYPES"]
+           "VerifyResult", "bits", "same_bits", "canonical_nans", "IN_DTYPES", "OUT_DTYPES"]

@@ -38,6 +38,8 @@ import threading
 
 import torch
 
+from .kernels import tensor_needs as needs
+
 BLOCK_K = 32  # original K per chunk
 STEPS = 6  # 16-wide steps per chunk
 CHUNK_K = 96  # split-operand K per chunk = the kernel's k tile
@@ -66,15 +68,26 @@ def fp32_precision(precision: str):
     precision their forward ran at, also outside the block and on autograd's device thread.
     A backward compiled by torch.compile, and autograd's own matmul backward in the mode,
     read the precision when they run."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"fp32_precision: precision must be one of {PRECISIONS}, got "
-                         f"{precision!r}")
+    checked_precision(precision, "fp32_precision", none_ok=False)
     prev = getattr(_local, "precision", None)
     _local.precision = precision
     try:
         yield
     finally:
         _local.precision = prev
+
+
+def checked_precision(precision, op: str, none_ok: bool = True):
+    """`precision` when it is "ieee", "tf32" (or None, with `none_ok`), else a TypeError (not
+    a string) or ValueError naming the argument and `op`."""
+    if (precision is None and none_ok) or (isinstance(precision, str)
+                                            and precision in PRECISIONS):
+        return precision
+    allowed = f"one of {PRECISIONS}" + (" or None" if none_ok else "")
+    if not isinstance(precision, str):
+        raise TypeError(f"{op}: precision must be {allowed}, got {type(precision).__name__} "
+                        f"{precision!r}")
+    raise ValueError(f"{op}: precision must be {allowed}, got {precision!r}")
 
 
 def forward_precision(dtype: torch.dtype) -> str | None:
@@ -174,8 +187,8 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
     """(`operand(x, row_scales(x), side)`, `row_scales(x)`) on a CUDA tensor in one kernel
     (`kernels.split_parts.SplitFp16Parts`: the row maxima and the split share the read of x;
     the same bits). ``DETGEMM_CUTE_SPLIT_KERNEL=0`` (read at import): the PyTorch version.
-    A K that is not a multiple of 32, or a K that is not the unit-stride dim, is copied
-    first."""
+    A K that is not a multiple of 32, a K that is not the unit-stride dim, or a base or row
+    stride that is not 16-byte aligned, is copied first (`_blocked`)."""
     if not _kernels_on():
         scale = row_scales(x)
         return operand(x, scale, side), scale
@@ -199,15 +212,15 @@ def _kernels_on() -> bool:
 
 
 def _blocked(x, block):
-    """x with K padded to whole blocks and K the 16-byte-aligned unit-stride dim (a copy
-    only when it is not), its rows and blocks."""
+    """x with K padded to whole blocks and laid out as the split kernels read it
+    (`tensor_needs.SPLIT_ROWS`: K the unit-stride dim, 16-byte rows and base), its rows and
+    blocks. A copy only where x is not already so (a misaligned base included: an odd
+    storage offset or a slice of a wider buffer, which ``contiguous()`` would keep)."""
     rows, k = x.shape
     blocks = -(-k // block)
     if blocks * block != k:
         x = torch.nn.functional.pad(x, (0, blocks * block - k))
-    elif x.stride(1) != 1 or (rows > 1 and x.stride(0) % 4) or x.data_ptr() % 16:
-        x = x.contiguous()
-    return x, rows, blocks
+    return needs.conform(x, needs.SPLIT_ROWS), rows, blocks
 
 
 def compiled_once(name, build):
@@ -245,24 +258,25 @@ def _kernel(scheme: str, side: str, device: torch.device):
 def _compile_kernel(scheme: str, side: str, arch: str):
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from .kernels.split_parts import SplitBf16Exact, SplitFp16Parts
 
     block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
     rows, blocks = cute.sym_int(), cute.sym_int()
-    x = make_fake_tensor(cutlass.Float32, (rows, blocks, block // 4, 4),
-                         stride=(cute.sym_int64(divisibility=4), block, 4, 1), assumed_align=16)
+    # X [rows, blocks, block/4, 4] and the parts [rows, blocks, groups, block/4, 4]: views
+    # of the [rows, K] needs whose row stride they keep.
+    x = needs.fake(cutlass.Float32, (rows, blocks, block // 4, 4), needs.SPLIT_ROWS,
+                   strides=(needs.SPLIT_ROWS.strides[0], block, 4, needs.UNIT))
     groups = STEPS if scheme == "exact" else 3
     o_type = cutlass.BFloat16 if scheme == "exact" else cutlass.Float16
-    o = make_fake_tensor(o_type, (rows, blocks, groups, block // 4, 4),
-                         stride=(cute.sym_int64(divisibility=8), CHUNK_K, block, 4, 1),
-                         assumed_align=16)
+    o = needs.fake(o_type, (rows, blocks, groups, block // 4, 4), needs.SPLIT_PARTS,
+                   strides=(needs.SPLIT_PARTS.strides[0], CHUNK_K, block, 4, needs.UNIT))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {arch}"
     if scheme == "exact":
         return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
-    s = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
+    s = needs.fake(cutlass.Float32, (rows,), needs.SPLIT_SCALES)
     return cute.compile(SplitFp16Parts(side), x, s, o, stream, options=options)
 
 
@@ -339,7 +353,8 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
-__all__ = ["PRECISIONS", "fp32_precision", "precision", "forward_precision", "at_precision",
+__all__ = ["PRECISIONS", "fp32_precision", "checked_precision", "precision",
+           "forward_precision", "at_precision",
            "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
            "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]

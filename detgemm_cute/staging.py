@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import split
+from .kernels import tensor_needs as needs
 
 _GRID_Y_MAX = 65535  # the transpose kernel puts 32-wide tiles of `width` on grid y
 
@@ -25,7 +26,7 @@ def transposed(x: torch.Tensor, width: int) -> torch.Tensor | None:
     """[C, width] fp32 with out[c, r] = x[r, c] (zero for r >= R), from a CUDA fp32 x [R, C]
     whose columns are contiguous; None when the kernel does not apply (the caller copies)."""
     if (not split._kernels_on() or x.dtype != torch.float32 or x.device.type != "cuda"
-            or x.dim() != 2 or x.stride(1) != 1 or -(-width // 32) > _GRID_Y_MAX):
+            or not needs.TRANSPOSE_SRC.meets(x) or -(-width // 32) > _GRID_Y_MAX):
         return None
     out = torch.empty((x.shape[1], width), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -39,11 +40,13 @@ def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
     from a CUDA 16-bit x whose last dim has unit stride and whose leading dims fold into
     rows, `width` a multiple of 8; None when the kernel does not apply (the caller copies)."""
     if (not split._kernels_on() or x.element_size() != 2 or x.device.type != "cuda"
-            or width % 8 or x.dim() < 2 or x.stride(-1) != 1 or x.data_ptr() % 2):
+            or width % 8 or x.dim() < 2):
         return None
     try:
         x2 = x.view(-1, x.shape[-1])  # no copy: None below when the rows do not fold
     except RuntimeError:
+        return None
+    if not needs.COPY_ROWS_SRC.meets(x2):
         return None
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -56,14 +59,13 @@ def rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
 def _compile_rows(arch: str):
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from .kernels.rows import CopyRows
 
     r, c, width = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    x = make_fake_tensor(cutlass.Int16, (r, c), stride=(cute.sym_int64(), 1), assumed_align=2)
-    out = make_fake_tensor(cutlass.Int16, (r, width), stride=(cute.sym_int64(divisibility=8), 1),
-                           assumed_align=16)
+    x = needs.fake(cutlass.Int16, (r, c), needs.COPY_ROWS_SRC)
+    out = needs.fake(cutlass.Int16, (r, width), needs.COPY_ROWS_DST)
     return cute.compile(CopyRows(), x, out, make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
@@ -71,13 +73,12 @@ def _compile_rows(arch: str):
 def _compile(arch: str):
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from .kernels.transpose import Transpose32
 
     r, c, width = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    x = make_fake_tensor(cutlass.Float32, (r, c), stride=(cute.sym_int64(), 1), assumed_align=4)
-    out = make_fake_tensor(cutlass.Float32, (c, width), stride=(cute.sym_int64(), 1),
-                           assumed_align=4)
+    x = needs.fake(cutlass.Float32, (r, c), needs.TRANSPOSE_SRC)
+    out = needs.fake(cutlass.Float32, (c, width), needs.TRANSPOSE_DST)
     return cute.compile(Transpose32(), x, out, make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=f"--enable-tvm-ffi --gpu-arch {arch}")

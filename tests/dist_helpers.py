@@ -9,6 +9,7 @@ from the same seed; rank r takes its slice of it (see `rank_chunks`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -27,6 +28,19 @@ TOKENS = 16  # tokens per chunk; global batches are lists of chunks
 class _RankKilled(AssertionError):
     """A rank died from a signal without a Python error (e.g. gloo's C++ `terminate` when a
     peer connection drops on a loaded 2-core machine): the run itself never finished."""
+
+
+@contextlib.contextmanager
+def one_rank_gloo(directory):
+    """A one-rank gloo process group in this process (its file store in `directory`);
+    destroyed on exit, after collecting the wrappers and meshes that still hold it."""
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240.0,

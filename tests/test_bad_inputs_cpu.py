@@ -664,17 +664,14 @@ def test_mode_cannot_nest_a_different_device_set():
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     """A one-rank gloo process group and CPU device mesh, for DTensor arguments."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
+    if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     from torch.distributed.device_mesh import init_device_mesh
 
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    from dist_helpers import one_rank_gloo
+
+    with one_rank_gloo(tmp_path_factory.mktemp("pg")):
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _dt(mesh, t, shard=True):

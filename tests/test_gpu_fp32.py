@@ -191,3 +191,39 @@ def test_one_pass_split_kernel_same_bits_as_pytorch(shape):
         want = split.exact_operand(x, side)
         assert same_bits_nan(split.exact_operand_cuda(x, side), want)
         assert same_bits_nan(split.exact_operand_cuda(x.t().contiguous().t(), side), want)
+
+
+def _misplaced(m, k, where, g):
+    """fp32 [m, k] random values at an odd storage offset ("offset") or inside a wider
+    buffer ("wider": a column window of a [m, k + 3] buffer starting one element in)."""
+    x = rand(m, k, g=g)
+    if where == "offset":
+        out = torch.empty(1 + m * k, device=DEV)[1:].view(m, k)
+    else:
+        out = torch.empty(m, k + 3, device=DEV)[:, 1:k + 1]
+    return out.copy_(x)
+
+
+# (M, K, N) where an fp32 linear at "ieee" with a misaligned input raised the DSL's
+# "Misaligned Tensor data on argument #0" (the split kernel) instead of staging it.
+MISALIGNED_CRASHES = [(101, 160, 5), (19, 640, 1), (19, 128, 1), (37, 64, 39), (29, 1344, 8)]
+
+
+@pytest.mark.parametrize("m,k,n", MISALIGNED_CRASHES)
+@pytest.mark.parametrize("where", ["offset", "wider"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_misaligned_operands_are_staged(m, k, n, where, precision):
+    g = torch.Generator(device=DEV).manual_seed(m * 13 + k + n)
+    x, w, bias = _misplaced(m, k, where, g), _misplaced(n, k, where, g), rand(n, g=g)
+    assert x.data_ptr() % 16 and w.data_ptr() % 16
+    with dg.fp32_precision(precision):
+        poison()
+        y = dg.linear(x, w, bias)
+        want = reference.linear(x.cpu(), w.cpu(), bias.cpu())
+        assert same_bits(y.cpu(), want)
+        # dX and dW of the same operands: dY at an odd offset, X a slice
+        dy = _misplaced(m, n, where, g)
+        assert same_bits(dg.input_grad(dy, w).cpu(), reference.mm(dy.cpu(), w.cpu()))
+        acc = torch.randn(n, k, device=DEV)
+        want_dw = reference.chain(dy.t().cpu(), x.cpu(), acc.cpu(), op="dw")
+        assert same_bits(dg.weight_grad(dy, x, acc=acc).cpu(), want_dw)

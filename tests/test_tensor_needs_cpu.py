@@ -1,0 +1,214 @@
+"""The kernels' tensor needs (`detgemm_cute.kernels.tensor_needs`) against what a launch
+checks, on the CPU.
+
+TVM-FFI checks every launch's tensors against the fake tensors the kernel was compiled
+with (base alignment; per dim of more than one entry, the stride: equal to a constant or a
+multiple of a symbol's divisibility) and raises ``ValueError('Misaligned Tensor data ...')``
+otherwise. `launch_accepts` below is that check. It proves:
+- for every need and dtype, a tensor the need accepts (`Need.meets`) is accepted by the
+  fake tensor built from the same need (random strides, offsets and shapes);
+- the fp32 split's staging (`split.scaled_operand_cuda`, `split.exact_operand_cuda`) hands
+  its kernel tensors the kernel's fakes accept, at the shapes where an fp32 operand at an
+  odd storage offset or inside a wider buffer crashed on an H100, and with the bits of the
+  PyTorch split (the kernel is emulated by the PyTorch version of the same split)."""
+
+import random
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+import cutlass  # noqa: E402
+
+from detgemm_cute import split  # noqa: E402
+from detgemm_cute.kernels import tensor_needs as needs  # noqa: E402
+
+NEEDS = {name: getattr(needs, name) for name in needs.__all__
+         if isinstance(getattr(needs, name), needs.Need)}
+NEEDS.update({"a_rows": needs.a_rows(), "a_rows_batch": needs.a_rows(True),
+              "c_direct": needs.c_direct(False), "c_direct_swapped": needs.c_direct(True),
+              "c_direct_batch": needs.c_direct(False, True),
+              "c_direct_batch_swapped": needs.c_direct(True, True)})
+CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+           torch.float32: cutlass.Float32, torch.int16: cutlass.Int16,
+           torch.int32: cutlass.Int32}
+
+
+def spec(fake_tensor):
+    """(alignment, per-dim stride rule) of a fake tensor: an int stride, or ("div", d)."""
+    rules = [s if isinstance(s, int) else ("div", s.divisibility) for s in fake_tensor.stride]
+    return fake_tensor._assumed_align, rules
+
+
+def launch_accepts(fake_spec, t) -> bool:
+    """TVM-FFI's launch-time check of tensor `t` against a fake tensor's spec."""
+    align, rules = fake_spec
+    if t.dim() != len(rules) or t.data_ptr() % align:
+        return False
+    for rule, size, stride in zip(rules, t.shape, t.stride()):
+        if size == 1:
+            continue
+        if isinstance(rule, int) and stride != rule:
+            return False
+        if not isinstance(rule, int) and stride % rule[1]:
+            return False
+    return True
+
+
+def random_view(rng, dtype, dims):
+    """A view of a fresh buffer with random shape (1..6 per dim), strides (0, 1, small, odd,
+    aligned) and storage offset (0..7 elements)."""
+    shape = [rng.choice((1, 1, 2, 3, 5, 6)) for _ in range(dims)]
+    strides = [rng.choice((0, 1, 1, 1, 2, 3, 4, 8, 8, 16, 16, 24, 40, 77)) for _ in range(dims)]
+    offset = rng.choice((0, 0, 0, 0, 1, 2, 3, 4, 8))
+    span = offset + sum((s - 1) * st for s, st in zip(shape, strides)) + 1
+    return torch.zeros(span + 64, dtype=dtype).as_strided(shape, strides, offset)
+
+
+@pytest.mark.parametrize("name", sorted(NEEDS))
+def test_a_tensor_the_need_accepts_passes_the_launch_check(name):
+    need = NEEDS[name]
+    dims = len(need.strides)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    if name == "OFFS":
+        dtypes = [torch.int32]
+    elif name.startswith("COPY_ROWS"):
+        dtypes = [torch.int16]
+    elif name.startswith(("TRANSPOSE", "SPLIT_SCALES", "SPLIT_ROWS")):
+        dtypes = [torch.float32]
+    rng = random.Random(name)
+    accepted = 0
+    for dtype in dtypes:
+        shape = tuple(cute.sym_int() for _ in range(dims))
+        fake_spec = spec(needs.fake(CUTLASS[dtype], shape, need))
+        for _ in range(1000):
+            t = random_view(rng, dtype, dims)
+            if need.meets(t):
+                accepted += 1
+                assert launch_accepts(fake_spec, t), (name, dtype, t.shape, t.stride(),
+                                                      t.storage_offset())
+    assert accepted > 20  # the check is not vacuous
+
+
+def test_a_tma_need_is_strict_on_single_entry_dims():
+    """TMA descriptors encode every stride, so a [1, K] row of an odd pitch is staged even
+    though the launch's own check would pass it."""
+    row = torch.zeros(3, 7, dtype=torch.bfloat16)[:1]  # stride (7, 1): 14 bytes
+    assert not needs.TMA_K_LAST.meets(row)
+    assert needs.tma_unit_dim(row) is None
+    assert needs.tma_unit_dim(torch.zeros(1, 8, dtype=torch.bfloat16)) == "last"
+
+
+def test_rows_sharing_memory_are_staged_for_tma():
+    """An expanded operand (row or batch stride 0) is not read in place by TMA."""
+    row = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert needs.tma_unit_dim(row.expand(5, 64)) is None
+    assert needs.tma_unit_dim(torch.zeros(1, 8, 64, dtype=torch.bfloat16).expand(3, 8, 64)) \
+        is None
+    assert needs.tma_unit_dim(torch.zeros(1, 8, 64, dtype=torch.bfloat16)) == "last"
+    assert needs.SPLIT_ROWS.meets(torch.zeros(1, 64).expand(5, 64))  # plain loads: fine
+
+
+def test_conform_copies_what_contiguous_would_keep():
+    """An already contiguous view at an odd offset: ``contiguous()`` returns it unchanged
+    (misaligned); `conform` copies it into aligned memory."""
+    buf = torch.randn(1 + 19 * 128)
+    x = buf[1:].view(19, 128)
+    assert x.is_contiguous() and x.contiguous().data_ptr() % 16
+    y = needs.conform(x, needs.SPLIT_ROWS)
+    assert needs.SPLIT_ROWS.meets(y) and y.data_ptr() % 16 == 0 and torch.equal(x, y)
+    assert needs.conform(y, needs.SPLIT_ROWS) is y
+
+
+# ---------------------------------------------------------------------------------------
+# The fp32 split's staging against its kernels' fakes, the kernels emulated on the CPU.
+
+def _emulated_split_kernel(compiled_args):
+    """A stand-in for a compiled split kernel: checks each tensor as TVM-FFI would against
+    the fake it was compiled with, then writes the PyTorch split's values."""
+    fakes = [a for a in compiled_args if hasattr(a, "_assumed_align")]
+
+    def launch(*tensors):
+        for i, (fake_tensor, t) in enumerate(zip(fakes, tensors)):
+            if not launch_accepts(spec(fake_tensor), t):
+                raise ValueError(f"Misaligned Tensor data on argument #{i} (shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()}, offset "
+                                 f"{t.storage_offset()})")
+        x4, out = tensors[0], tensors[-1]
+        rows, blocks, quads, _ = x4.shape
+        x = x4.reshape(rows, blocks * quads * 4)
+        side = launch.side
+        if len(tensors) == 3:  # scaled: X, S, out
+            scale = split.row_scales(x)
+            tensors[1].copy_(scale)
+            out.copy_(split.operand(x, scale, side).view(out.shape))
+        else:
+            out.copy_(split.exact_operand(x, side).view(out.shape))
+
+    return launch
+
+
+@pytest.fixture
+def emulated_split(monkeypatch):
+    compiled = {}
+
+    def fake_compile(kernel, *args, **kwargs):
+        return args
+
+    def kernel(scheme, side, device):
+        if (scheme, side) not in compiled:
+            with monkeypatch.context() as m:
+                m.setattr(cute, "compile", fake_compile)
+                args = split._compile_kernel(scheme, side, "sm_90")
+            compiled[(scheme, side)] = _emulated_split_kernel(args)
+        fn = compiled[(scheme, side)]
+        fn.side = side
+        return fn
+
+    monkeypatch.setattr(split, "_kernel", kernel)
+    monkeypatch.setattr(split, "_kernels_on", lambda: True)
+
+
+def _placed(m, k, where, g):
+    """fp32 [m, k] values at an odd storage offset, inside a wider buffer, or as a single
+    misaligned row's transpose."""
+    x = torch.randn(m, k, generator=g)
+    if where == "offset":
+        buf = torch.empty(1 + m * k)
+        out = buf[1:].view(m, k)
+    elif where == "wider":
+        out = torch.empty(m, k + 3)[:, 1:k + 1]
+    else:  # "sliced": rows of a wider buffer, then a column window at an odd element
+        out = torch.empty(m + 2, k + 5)[1:m + 1, 3:k + 3]
+    out.copy_(x)
+    return out
+
+
+# (M, K, N) where fp32 "ieee" linear crashed on an H100 (issue: misaligned split operand)
+CRASH_SHAPES = [(101, 160, 5), (19, 640, 1), (19, 128, 1), (37, 64, 39), (29, 1344, 8)]
+
+
+@pytest.mark.parametrize("m,k,n", CRASH_SHAPES)
+@pytest.mark.parametrize("where", ["offset", "wider", "sliced"])
+def test_split_staging_meets_its_kernel_at_the_crash_shapes(emulated_split, m, k, n, where):
+    g = torch.Generator().manual_seed(m * 31 + k + n)
+    x, w = _placed(m, k, where, g), _placed(n, k, where, g)
+    assert x.data_ptr() % 16 or w.data_ptr() % 16 or where != "offset"
+    for t, side in ((x, "a"), (w, "b")):
+        parts, scale = split.scaled_operand_cuda(t, side)
+        want_scale = split.row_scales(t.contiguous())
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(parts, split.operand(t.contiguous(), want_scale, side))
+        # dW's exact parts: the same staging (a row of tokens, a transposed view, ...)
+        assert torch.equal(split.exact_operand_cuda(t, side),
+                           split.exact_operand(t.contiguous(), side))
+
+
+def test_split_staging_of_a_single_misaligned_row(emulated_split):
+    """dW at N = 1 reads dY^T as a [1, T] row: contiguous, and misaligned at an odd offset."""
+    dy = torch.empty(1 + 64)[1:].view(64, 1).copy_(torch.randn(64, 1))
+    row = dy.t()
+    assert row.is_contiguous() and row.data_ptr() % 16
+    assert torch.equal(split.exact_operand_cuda(row, "a"), split.exact_operand(row, "a"))
+    parts, _ = split.scaled_operand_cuda(row, "a")
+    assert torch.equal(parts, split.operand(row, split.row_scales(row), "a"))
