@@ -27,6 +27,7 @@ from .dist_records import OP
 
 _GRACE_S = 1.0  # at most this long (and a tenth of the timeout) collecting others' reports
 _UIDS: dict = {}
+_GROUPS: dict = {}  # (default group, ranks) -> (pair groups, delivery group, control group)
 
 
 class PassFailed(RuntimeError):
@@ -73,9 +74,11 @@ class Channels:
 
     def make_groups(self) -> None:
         """Collective over the wrapper's ranks: the NCCL groups and the gloo control group
-        (nothing with gloo). Every rank of the default group takes part when the wrapper
-        spans it; a subgroup's ranks create them alone (not possible when the default group
-        was initialized eagerly with a device_id: NCCL would need every rank)."""
+        (nothing with gloo), made once per set of ranks and kept for later wrappers (a pass
+        leaves no operation behind). Every rank of the default group takes part when the
+        wrapper spans it; a subgroup's ranks create them alone (not possible when the
+        default group was initialized eagerly with a device_id: NCCL would need every
+        rank)."""
         if not self.nccl or self.world == 1:
             return
         whole = dist.get_world_size() == self.world
@@ -85,16 +88,42 @@ class Channels:
                 f"initialized without device_id (its NCCL subgroups are split from the "
                 f"default communicator on every rank); wrap on the whole world, or "
                 f"initialize without device_id")
-        kw = {"use_local_synchronization": not whole}
-        if self.timeout is not None:
-            kw["timeout"] = self.timeout
-        pairs = [dist.new_group(self.ranks[i:i + 2], backend="nccl", **kw)
-                 for i in range(self.world - 1)]
+        key = (dist.group.WORLD, tuple(self.ranks))
+        made = _GROUPS.get(key)
+        if made is None:  # every rank makes the same calls, so every rank finds the same
+            kw = {"use_local_synchronization": not whole}
+            if self.timeout is not None:
+                kw["timeout"] = self.timeout
+            pairs = [dist.new_group(self.ranks[i:i + 2], backend="nccl", **kw)
+                     for i in range(self.world - 1)]
+            made = (pairs, dist.new_group(self.ranks, backend="nccl", **kw),
+                    dist.new_group(self.ranks, backend="gloo", **kw))
+        pairs, self.deliver_group, self.control = made
         r = self.rank
         self.prev_group = pairs[r - 1] if r > 0 else None
         self.next_group = pairs[r] if r < self.world - 1 else None
-        self.deliver_group = dist.new_group(self.ranks, backend="nccl", **kw)
-        self.control = dist.new_group(self.ranks, backend="gloo", **kw)
+        if key not in _GROUPS:
+            self._warm_up()
+            _GROUPS[key] = made
+
+    def _warm_up(self) -> None:
+        """One small operation on every NCCL communicator the pass will use, now, while
+        every rank is here: NCCL creates a communicator at its first operation, and a rank
+        whose peer died before that would wait in the creation without any timeout."""
+        r, last = self.rank, self.world - 1
+        t = torch.zeros(1, device=self.device)
+        if r > 0:
+            self.recv(t, r - 1, 0, 0).wait()
+        if r < last:
+            self.send(t, r + 1, 0, 0).wait()
+        for owner in range(last):  # deliveries (and a flush's copy) go from the last rank
+            if r == last:
+                self.send(t, owner, 1, 0).wait()
+            elif r == owner:
+                self.recv(t, last, 1, 0).wait()
+        self.broadcast(t, 0).wait()
+        self.all_gather(torch.zeros(self.world, device=self.device), t).wait()
+        torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ streams
     def on_side(self):

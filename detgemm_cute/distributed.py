@@ -200,12 +200,14 @@ class InvariantDataParallel(torch.nn.Module):
         """Bytes of X and dY held now for a pass not yet started (distinct storages)."""
         return self._engine.held_bytes()
 
-    def phase_times(self) -> dict:
+    def phase_times(self, since=None) -> dict:
         """Milliseconds of the last step's phases on this rank (``phase_events=True`` on a
         GPU; synchronizes the device, then clears the events): ``chain_wait`` (the side
         stream waiting for rank r-1's slices), ``tail`` (end of the main stream's backward
         to the end of this rank's chain work), ``flush`` (finalize_grads / flush on the
-        stream), ``gather`` (the sharded finish's all-gather)."""
+        stream), ``gather`` (the sharded finish's all-gather), and with `since` (a CUDA
+        event recorded before the backward) ``backward`` (from it to the end of the main
+        stream's backward)."""
         tl = self._engine.timeline
         if tl is None:
             return {}
@@ -213,6 +215,8 @@ class InvariantDataParallel(torch.nn.Module):
         out = {"chain_wait": tl.wait_ms(), "tail": tl.ms("backward_end", "chain_end"),
                "flush": tl.ms("flush_start", "flush_end"),
                "gather": tl.ms("gather_start", "gather_end")}
+        if since is not None and "backward_end" in tl.marks:
+            out["backward"] = since.elapsed_time(tl.marks["backward_end"])
         tl.reset()
         return {k: v for k, v in out.items() if v is not None}
 

@@ -102,6 +102,8 @@ def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
         path = os.path.join(tmp, f"rank{rank}.pt")
         torch.save(result, path + ".part")
         os.replace(path + ".part", path)  # the name appears only once the file is whole
+        if isinstance(result, dict) and result.get("leave"):
+            os._exit(0)  # its process group is broken (a peer died): no teardown
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -270,11 +272,11 @@ def _gathered_grad(net, p, world):
     """Sharded finish: the whole .grad of model parameter `p`, from the ranks' pieces."""
     eng = net._engine
     lo = eng.layout.offset[id(p)]
-    full = torch.zeros(p.numel(), dtype=p.dtype)
+    full = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
     for r in range(world):
         for q, gi, a, b in eng.layout.shard_pieces(r):
             if q is p:
-                part = torch.zeros(b - a, dtype=p.dtype)
+                part = torch.zeros(b - a, dtype=p.dtype, device=p.device)
                 if r == eng.rank:
                     part.copy_(eng.pieces[id(p)][0].grad)
                 dist.broadcast(part, src=r)
@@ -328,7 +330,7 @@ def posting_order_problems(logs: list) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ faults
-def fault_worker(rank, world, seed, mode):
+def fault_worker(rank, world, seed, mode, device="cpu"):
     """Rank 1's dW GEMM raises ("raise") or exits the process ("exit") on its first call;
     every other rank trains normally. Returns each rank's error; after a raise, every
     rank drops the step and trains one more, which must work."""
@@ -336,7 +338,7 @@ def fault_worker(rank, world, seed, mode):
     from detgemm_cute import dist_records
     from detgemm_cute.distributed import InvariantDataParallel
 
-    model = build("mlp", seed)
+    model = build("mlp", seed, device)
     net = InvariantDataParallel(model, pipeline_bytes=1024)
     opt = net.make_optimizer(torch.optim.AdamW, lr=1e-2)
     real = dist_records.weight_grad
@@ -354,8 +356,8 @@ def fault_worker(rank, world, seed, mode):
         dist_records.weight_grad = faulty
 
     def step(s):
-        x, y = global_batch("mlp", seed, s, world)
-        rows = _rows([rank], "cpu")
+        x, y = global_batch("mlp", seed, s, world, device)
+        rows = _rows([rank], device)
         dg.nn.zero_main_grads(net)
         opt.zero_grad()
         (loss_sum("mlp", net(x[rows]), y[rows]) / (world * TOKENS)).backward()
@@ -365,10 +367,11 @@ def fault_worker(rank, world, seed, mode):
     t0 = time.monotonic()
     out = {"error": _expect_error(lambda: step(0))}
     out["seconds"] = time.monotonic() - t0
+    out["leave"] = mode == "exit"
     if mode == "raise":
         net.discard_pending()
         step(1)
-        out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return out
 
 
