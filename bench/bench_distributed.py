@@ -55,7 +55,7 @@ class Arm:
     kind: str  # ddp_torch | ddp_dg | idp
     overlap: bool = True
     shard: bool = False
-    pipeline_mib: int = 8
+    pipeline_mib: int = 16
 
 
 def arms_of(args) -> list[Arm]:
@@ -342,7 +342,7 @@ def parse(argv=None):
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--models", nargs="+", default=["mlp", "llama"], choices=["mlp", "llama"])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--pipeline-mib", type=int, nargs="+", default=[8, 32],
+    ap.add_argument("--pipeline-mib", type=int, nargs="+", default=[16, 64],
                     help="fp32 MiB per slice passed rank to rank (one IDP arm each)")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
     ap.add_argument("--seq", type=int, default=2048, help="llama: tokens per sequence")

@@ -94,6 +94,8 @@ class Engine:
         self.holdings.add(rec)
         self.unfinished = True
         if overlapped and p is None:
+            if self.timeline is not None:
+                self.timeline.reset()  # phase_times() reports the last pass
             self.pass_ = Pass(self, self.order, overlapped=True)
             self._guard(self.pass_.start)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -199,9 +201,11 @@ class Engine:
         self._usable()
         t0 = time.perf_counter()
         tl = self.timeline
-        if tl is not None and self.ch.side is not None:
-            tl.mark("flush_start", torch.cuda.current_stream(self.ch.device))
         p = self.pass_
+        if tl is not None:
+            if p is None:
+                tl.reset()
+            tl.mark("flush_start", torch.cuda.current_stream(self.ch.device))
         error = self._local_error(finalize)
         layer_on = [bool(layer.records) for layer in self.order]
         reduce_others = finalize and self.unfinished
@@ -234,7 +238,7 @@ class Engine:
         if finalize:
             self.unfinished = False
             self.shard_stale = self.shard and self.world > 1
-        if tl is not None and self.ch.side is not None:
+        if tl is not None:
             tl.mark("flush_end", torch.cuda.current_stream(self.ch.device))
         st.finalize = finalize
         st.seconds = time.perf_counter() - t0

@@ -65,8 +65,8 @@ class Channels:
         self.log: list | None = None  # posted operations, kept when a test sets a list
         self.prev_group = self.next_group = self.deliver_group = self.control = group
         self.side = self.deliver = None
-        if device.type == "cuda":
-            self.side = torch.cuda.Stream(device)
+        if device.type == "cuda":  # the chain's GEMMs gate the next rank: high priority
+            self.side = torch.cuda.Stream(device, priority=-1)
             self.deliver = torch.cuda.Stream(device)
         store = _default_store()
         self.store = (dist.PrefixStore(f"detgemm_idp/{'_'.join(map(str, key))}/{self.uid}/",

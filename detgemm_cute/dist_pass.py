@@ -5,8 +5,8 @@ Order. Every rank walks the same units in the same order: the layers in reverse
 registration order (roughly the order their backward finishes), each layer's units in
 order, then (when finalizing) the other parameters' units. A layer is *launched* once its
 records on this rank are complete (its backward calls in this pass have all run) and every
-layer before it has been launched; rank r > 0 posts all its receives at the start, so the
-data of rank r-1 lands while rank r is still busy.
+layer before it has been launched; rank r > 0 keeps the receives of the next `AHEAD`
+layers posted, so the data of rank r-1 lands while rank r is still busy.
 
 Per unit, on a GPU: the side stream waits for the unit's receive, runs this rank's dW / db
 GEMMs into it, and the unit is sent to rank r+1; the final value then goes out from the
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from .dist_records import FlushStats, add_part
+
+AHEAD = 2  # layers whose receives are posted before the layer being launched
 
 
 class Timeline:
@@ -71,6 +73,7 @@ class Pass:
         self.deliveries: list = []  # (work, peer, what)
         self.failed: str | None = None
         self.main = None
+        self.posted = 0  # layers whose receives are posted
         self.st = FlushStats(flushes=1, overlapped=int(overlapped))
 
     # ------------------------------------------------------------------ start, launch
@@ -81,7 +84,14 @@ class Pass:
             ch.side.wait_stream(self.main)
             if self.eng.timeline is not None:
                 self.eng.timeline.mark("pass_start", ch.side)
-        self._post_receives(self.units)
+        self._post_layers(AHEAD)
+
+    def _post_layers(self, upto: int) -> None:
+        """Post the receives of the layers before index `upto` (in pass order, as rank r-1
+        sends them), so rank r-1's data can land while this rank is still busy."""
+        while self.posted < min(upto, len(self.layers)):
+            self._post_receives(self.layers[self.posted].units)
+            self.posted += 1
 
     def _post_receives(self, units) -> None:
         ch = self.ch
@@ -99,6 +109,7 @@ class Pass:
         while self.next < len(self.layers) and id(self.layers[self.next]) in self.ready:
             layer = self.layers[self.next]
             self.next += 1
+            self._post_layers(self.next + AHEAD)
             self._launch_layer(layer)
 
     def finish_backward(self) -> None:

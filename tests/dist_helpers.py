@@ -392,6 +392,8 @@ BAD_EXPECT = {  # check -> (exception types, any of these substrings)
     "no detgemm Linear": (("ValueError",), ["no trainable detgemm Linear"]),
     "layer shares its weight": (("ValueError",), ["tied weights"]),
     "sparse embedding gradient": (("RuntimeError",), ["only dense gradients"]),
+    "make_optimizer over a foreign tensor": (("ValueError",), ["not a trainable parameter"]),
+    "make_optimizer of a non-optimizer": (("TypeError",), ["optimizer_class must be"]),
 }
 
 
@@ -475,6 +477,12 @@ def bad_setup_worker(rank, world, seed):
         (net(m.emb(torch.arange(16) % 8)).float().sum() / 32).backward()
         dg.nn.finalize_grads(net)
     out["sparse embedding gradient"] = _expect_error(sparse)
+
+    net = IDP(build("mlp", seed), shard_optimizer=True)
+    out["make_optimizer over a foreign tensor"] = _expect_error(
+        lambda: net.make_optimizer(torch.optim.AdamW, [torch.nn.Parameter(torch.zeros(2))]))
+    out["make_optimizer of a non-optimizer"] = _expect_error(
+        lambda: net.make_optimizer(torch.nn.Linear))
 
     # a process group without this rank (rank 1); rank 0 wraps alone
     group = dist.new_group([0])

@@ -178,6 +178,10 @@ def test_constructor_errors_without_a_process_group():
         InvariantDataParallel(model, pipeline_bytes=0)
     with pytest.raises(TypeError, match="broadcast_parameters must be a bool"):
         InvariantDataParallel(model, broadcast_parameters="yes")
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        InvariantDataParallel(model, overlap=1)
+    with pytest.raises(TypeError, match="shard_optimizer must be a bool"):
+        InvariantDataParallel(model, shard_optimizer="yes")
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         InvariantDataParallel(model)
 
