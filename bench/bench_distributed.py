@@ -4,10 +4,12 @@
     python bench/bench_distributed.py --worlds 2 --models mlp   # one world, one model
     torchrun --nproc-per-node 2 bench/bench_distributed.py --worker --parts DIR  # one world
 
-Without ``--worker`` the script launches ``torchrun --standalone --nproc-per-node W`` for
-each world size W in ``--worlds`` in turn (each bounded by ``--world-timeout``), then
-writes ``distributed_<device>.md``, ``.json`` and (with matplotlib) ``.png`` under
-``--out`` (default ``$OUT``, else bench/results).
+Without ``--worker`` the script first compiles every kernel the steps use, in parallel, into
+the AOT cache (one step of each arm in this process notes the kernel keys), then launches
+``torchrun --standalone --nproc-per-node W`` for each world size W in ``--worlds`` in turn
+(each bounded by ``--world-timeout``, all by ``--total-timeout``), and writes
+``distributed_<device>.md``, ``.json`` and (with matplotlib) ``.png`` under ``--out``
+(default ``$OUT``, else bench/results).
 
 Every world times a full training step (forward, backward, gradients, AdamW) of two models,
 each rank on its own ``--tokens`` tokens (bf16):
@@ -111,9 +113,9 @@ def _median_dicts(dicts: list[dict]) -> dict:
     return {k: statistics.median(d[k] for d in dicts if k in d) for k in sorted(keys)}
 
 
-def run_arm(spec, arm: Arm, args, device, world: int) -> dict:
-    import torch.distributed as dist
-
+def build_arm(spec, arm: Arm, args, device, world: int):
+    """(model, net, optimizer, step): one rank's model and training step for `arm`;
+    ``step(marks)`` records marks[0..4] at its phase boundaries when given."""
     import detgemm_cute as dg
     from detgemm_cute.distributed import InvariantDataParallel
 
@@ -156,6 +158,14 @@ def run_arm(spec, arm: Arm, args, device, world: int) -> dict:
         opt.step()
         _mark(marks, 4)
 
+    return model, net, opt, step
+
+
+def run_arm(spec, arm: Arm, args, device, world: int) -> dict:
+    import torch.distributed as dist
+
+    model, net, opt, step = build_arm(spec, arm, args, device, world)
+    idp, cuda = arm.kind == "idp", device.type == "cuda"
     for _ in range(args.warmup):
         step()
     _sync(device)
@@ -198,7 +208,7 @@ def run_arm(spec, arm: Arm, args, device, world: int) -> dict:
         phases.append(ph)
     row["phases"] = _median_dicts(phases) if phases else {}
     row["describe"] = spec.describe(model)
-    del net, opt, model, x
+    del net, opt, model, step
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -298,13 +308,67 @@ def _forwarded(args) -> list[str]:
     return out + (["--cpu"] if args.cpu else [])
 
 
+def precompile(args) -> str:
+    """Compile the kernels of every arm's step into the AOT cache in parallel processes, so
+    that no world compiles on first use: one step of each arm runs here (a world of one)
+    with `compile.get` noting each kernel key and returning a kernel that does nothing
+    (dispatch reads shapes, strides and dtypes, never values); then the keys are built."""
+    import torch.distributed as dist
+
+    from detgemm_cute import aot_cache
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.parallel_compile import compile_all, default_jobs
+    from dist_models import Spec
+
+    directory = aot_cache.cache_dir()
+    if directory is None:
+        return "kernels compile on first use (the AOT cache is off)"
+    t0 = time.time()
+    keys, real = {}, kcompile.get
+    kcompile.get = lambda key: keys.setdefault(key, _no_kernel)
+    store = tempfile.mkdtemp(prefix="detgemm_dist_bench_pg_")
+    dist.init_process_group("nccl", init_method=f"file://{store}/s", rank=0, world_size=1)
+    device = torch.device("cuda", 0)
+    try:
+        for name in args.models:
+            spec = Spec(name, args.mlp_blocks if name == "mlp" else args.llama_layers, args.seq)
+            for arm in arms_of(args):
+                if arm.kind != "ddp_torch":
+                    build_arm(spec, arm, args, device, 1)[3]()
+    finally:
+        kcompile.get = real
+        gc.collect()
+        dist.destroy_process_group()
+        torch.cuda.empty_cache()
+    failed = compile_all(list(keys), directory, default_jobs(), log=lambda m: None)
+    return (f"{len(keys)} kernels compiled in parallel into the AOT cache in "
+            f"{time.time() - t0:.0f} s" + (f" ({len(failed)} failed: compiled on first use)"
+                                           if failed else ""))
+
+
+def _no_kernel(*args, **kwargs):
+    return None
+
+
 def launch(args) -> int:
     gpus = max(args.worlds) if args.cpu else torch.cuda.device_count()
     parts = Path(tempfile.mkdtemp(prefix="detgemm_dist_bench_"))
     results, notes = [], []
+    start = time.time()
+    if not args.cpu and gpus and not args.no_precompile:
+        try:
+            notes.append(precompile(args))
+        except Exception as exc:  # noqa: BLE001 - the worlds then compile on first use
+            notes.append(f"precompile failed ({type(exc).__name__}: {exc}); kernels compile "
+                         f"on first use")
+        print(f"[bench] {notes[-1]}", flush=True)
     for w in args.worlds:
         if w > gpus:
             notes.append(f"world {w}: not run ({gpus} GPUs)")
+            continue
+        left = args.total_timeout - (time.time() - start)
+        if left < 30:
+            notes.append(f"world {w}: not run (--total-timeout {args.total_timeout} s spent)")
             continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={w}", str(Path(__file__).resolve()), "--worker",
@@ -313,7 +377,7 @@ def launch(args) -> int:
         t0 = time.time()
         proc = subprocess.Popen(cmd, start_new_session=True)
         try:
-            code = proc.wait(timeout=args.world_timeout)
+            code = proc.wait(timeout=min(args.world_timeout, left))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -334,7 +398,8 @@ def launch(args) -> int:
 
     for path in write_report(results, notes, Path(args.out), TARGET):
         print(f"[bench] wrote {path}")
-    return 0 if not notes else 1
+    print(f"[bench] {time.time() - start:.0f} s in all", flush=True)
+    return 0 if len(results) == len(args.worlds) else 1
 
 
 def parse(argv=None):
@@ -352,9 +417,13 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=120, help="process-group timeout, s")
-    ap.add_argument("--world-timeout", type=int, default=200,
+    ap.add_argument("--world-timeout", type=int, default=150,
                     help="seconds one world's torchrun may take")
+    ap.add_argument("--total-timeout", type=int, default=360,
+                    help="seconds for everything (a world that would start later is skipped)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="let each world compile its kernels on first use")
     ap.add_argument("--cpu", action="store_true",
                     help="gloo processes on the CPU with tiny models: checks the bench runs "
                          "(no meaningful times)")

@@ -6,8 +6,8 @@ delivery of final results each get their own communicator (two-rank groups for t
 hops, one group of all ranks for deliveries), so that they run on separate NCCL streams
 whether or not the default group was initialized eagerly (``device_id``), where all of one
 group's operations share one stream. The flags exchanged at each flush travel over a gloo
-group (host memory, no GPU synchronization). With gloo everything uses the wrapper's group:
-its point-to-point operations are matched by tag, not by stream order.
+group of their own (host memory, no GPU synchronization). With gloo the data uses the
+wrapper's group: its point-to-point operations are matched by tag, not by stream order.
 
 Failures. A wait that fails (a peer exited: the connection closes at once; or nothing
 arrived within the process-group timeout) raises `PassFailed` naming the rank waited for;
@@ -27,7 +27,7 @@ from .dist_records import OP
 
 _GRACE_S = 1.0  # at most this long (and a tenth of the timeout) collecting others' reports
 _UIDS: dict = {}
-_GROUPS: dict = {}  # (default group, ranks) -> (pair groups, delivery group, control group)
+_GROUPS: dict = {}  # (default group, ranks, nccl) -> (pair groups, delivery group, control)
 
 
 class PassFailed(RuntimeError):
@@ -73,37 +73,45 @@ class Channels:
                                        store) if store is not None else None)
 
     def make_groups(self) -> None:
-        """Collective over the wrapper's ranks: the NCCL groups and the gloo control group
-        (nothing with gloo), made once per set of ranks and kept for later wrappers (a pass
-        leaves no operation behind). Every rank of the default group takes part when the
-        wrapper spans it; a subgroup's ranks create them alone (not possible when the
-        default group was initialized eagerly with a device_id: NCCL would need every
-        rank)."""
-        if not self.nccl or self.world == 1:
+        """Collective over the wrapper's ranks: the gloo group of the flag exchange, and
+        with NCCL the chain's and the deliveries' groups; made once per set of ranks and
+        kept for later wrappers (a pass leaves no operation behind). Every rank of the
+        default group takes part when the wrapper spans it; a subgroup's ranks create them
+        alone (with NCCL not possible when the default group was initialized eagerly with
+        a device_id: NCCL would need every rank). The exchange has its own group, so that
+        it never waits behind a collective stuck on a stalled rank."""
+        if self.world == 1:
             return
         whole = dist.get_world_size() == self.world
-        if not whole and getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        if self.nccl and not whole \
+                and getattr(dist.group.WORLD, "bound_device_id", None) is not None:
             raise ValueError(
                 f"{OP}: a process group smaller than the world needs a default group "
                 f"initialized without device_id (its NCCL subgroups are split from the "
                 f"default communicator on every rank); wrap on the whole world, or "
                 f"initialize without device_id")
-        key = (dist.group.WORLD, tuple(self.ranks))
+        key = (dist.group.WORLD, tuple(self.ranks), self.nccl)
         made = _GROUPS.get(key)
         if made is None:  # every rank makes the same calls, so every rank finds the same
             kw = {"use_local_synchronization": not whole}
             if self.timeout is not None:
                 kw["timeout"] = self.timeout
-            pairs = [dist.new_group(self.ranks[i:i + 2], backend="nccl", **kw)
-                     for i in range(self.world - 1)]
-            made = (pairs, dist.new_group(self.ranks, backend="nccl", **kw),
-                    dist.new_group(self.ranks, backend="gloo", **kw))
-        pairs, self.deliver_group, self.control = made
-        r = self.rank
-        self.prev_group = pairs[r - 1] if r > 0 else None
-        self.next_group = pairs[r] if r < self.world - 1 else None
+            control = dist.new_group(self.ranks, backend="gloo", **kw)
+            pairs = deliver = None
+            if self.nccl:
+                pairs = [dist.new_group(self.ranks[i:i + 2], backend="nccl", **kw)
+                         for i in range(self.world - 1)]
+                deliver = dist.new_group(self.ranks, backend="nccl", **kw)
+            made = (pairs, deliver, control)
+        pairs, deliver, self.control = made
+        if pairs is not None:
+            r = self.rank
+            self.prev_group = pairs[r - 1] if r > 0 else None
+            self.next_group = pairs[r] if r < self.world - 1 else None
+            self.deliver_group = deliver
         if key not in _GROUPS:
-            self._warm_up()
+            if self.nccl:
+                self._warm_up()
             _GROUPS[key] = made
 
     def _warm_up(self) -> None:

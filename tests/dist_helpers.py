@@ -32,8 +32,9 @@ class _RankKilled(AssertionError):
 
 def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240.0,
               pg_timeout: float = 60.0, may_exit: tuple = ()) -> list:
-    """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results
-    (None for a rank in `may_exit` that exited without one, as the test made it).
+    """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results.
+    A rank in `may_exit` may end its process itself, as the test makes it: its result is
+    what it saved (`save_result`) before, or None.
 
     A world in which a rank was killed by a signal before it reported anything is started
     once more from scratch (a new store, new processes); any Python error, hang, missing or
@@ -79,8 +80,9 @@ def _run_world_once(fn, world, args, backend, timeout, pg_timeout, may_exit) -> 
             # it and was then aborted by a signal while tearing down gloo ("terminate called
             # without an active exception", seen on a loaded 2-core machine) did its work:
             # its result counts. Any other nonzero exit, or no result, fails.
-            if r in may_exit and not os.path.exists(path):
-                results.append(None)
+            if r in may_exit:
+                results.append(torch.load(path, weights_only=False)
+                               if os.path.exists(path) else None)
                 continue
             if (p.exitcode != 0 and not killed) or not os.path.exists(path):
                 raise AssertionError(f"rank {r} exited with code {p.exitcode} and no result")
@@ -90,8 +92,19 @@ def _run_world_once(fn, world, args, backend, timeout, pg_timeout, may_exit) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_RESULT_PATH = [None]  # this worker process's result file
+
+
+def save_result(result) -> None:
+    """Write this rank's result (a rank that is about to end its own process saves first)."""
+    path = _RESULT_PATH[0]
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)  # the name appears only once the file is whole
+
+
 def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
     torch.set_num_threads(1)
+    _RESULT_PATH[0] = os.path.join(tmp, f"rank{rank}.pt")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -99,9 +112,7 @@ def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
-        path = os.path.join(tmp, f"rank{rank}.pt")
-        torch.save(result, path + ".part")
-        os.replace(path + ".part", path)  # the name appears only once the file is whole
+        save_result(result)
         if isinstance(result, dict) and result.get("leave"):
             os._exit(0)  # its process group is broken (a peer died): no teardown
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
@@ -330,10 +341,12 @@ def posting_order_problems(logs: list) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ faults
-def fault_worker(rank, world, seed, mode, device="cpu"):
-    """Rank 1's dW GEMM raises ("raise") or exits the process ("exit") on its first call;
-    every other rank trains normally. Returns each rank's error; after a raise, every
-    rank drops the step and trains one more, which must work."""
+def fault_worker(rank, world, seed, device="cpu"):
+    """Two faults in one world, each in the middle of the chain on rank 1 (its dW GEMM is
+    replaced): first it raises once (every rank's error is kept; every rank then drops
+    the step and trains one more, which must work), then rank 1's process exits at its
+    next dW (it saves its result first; the others keep their errors and leave without
+    tearing down the broken group)."""
     import detgemm_cute as dg
     from detgemm_cute import dist_records
     from detgemm_cute.distributed import InvariantDataParallel
@@ -342,14 +355,15 @@ def fault_worker(rank, world, seed, mode, device="cpu"):
     net = InvariantDataParallel(model, pipeline_bytes=1024)
     opt = net.make_optimizer(torch.optim.AdamW, lr=1e-2)
     real = dist_records.weight_grad
-    calls = []
+    fault = [None]
 
     def faulty(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            if mode == "exit":
-                os._exit(17)
+        if fault[0] == "raise":
+            fault[0] = None
             raise RuntimeError("injected fault in rank 1's dW")
+        if fault[0] == "exit":
+            save_result(out)
+            os._exit(17)
         return real(*args, **kwargs)
 
     if rank == 1:
@@ -364,14 +378,20 @@ def fault_worker(rank, world, seed, mode, device="cpu"):
         dg.nn.finalize_grads(net)
         opt.step()
 
-    t0 = time.monotonic()
-    out = {"error": _expect_error(lambda: step(0))}
-    out["seconds"] = time.monotonic() - t0
-    out["leave"] = mode == "exit"
-    if mode == "raise":
-        net.discard_pending()
-        step(1)
-        out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    def timed(s):
+        t0 = time.monotonic()
+        error = _expect_error(lambda: step(s))
+        return {"error": error, "seconds": time.monotonic() - t0}
+
+    out = {}
+    fault[0] = "raise"
+    out["raise"] = timed(0)
+    net.discard_pending()
+    step(1)
+    out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    fault[0] = "exit"
+    out["exit"] = timed(2)
+    out["leave"] = True
     return out
 
 
