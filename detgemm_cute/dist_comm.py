@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -96,14 +97,16 @@ class Channels:
             kw = {"use_local_synchronization": not whole}
             if self.timeout is not None:
                 kw["timeout"] = self.timeout
-            control = dist.new_group(self.ranks, backend="gloo", **kw)
+            control = _gloo_group(self.ranks, kw) if self.nccl else \
+                dist.new_group(self.ranks, backend="gloo", **kw)
             pairs = deliver = None
             if self.nccl:
                 pairs = [dist.new_group(self.ranks[i:i + 2], backend="nccl", **kw)
                          for i in range(self.world - 1)]
                 deliver = dist.new_group(self.ranks, backend="nccl", **kw)
             made = (pairs, deliver, control)
-        pairs, deliver, self.control = made
+        pairs, deliver, control = made
+        self.control = control if control is not None else self.group
         if pairs is not None:
             r = self.rank
             self.prev_group = pairs[r - 1] if r > 0 else None
@@ -182,11 +185,14 @@ class Channels:
 
     # ------------------------------------------------------------------ host exchange
     def exchange(self, row: list[int]) -> torch.Tensor:
-        """Every rank's `row` of small ints, as a [world, len(row)] tensor (gloo, host)."""
-        mine = torch.tensor(row, dtype=torch.int32)
-        out = torch.empty(self.world * len(row), dtype=torch.int32)
+        """Every rank's `row` of small ints, as a [world, len(row)] CPU tensor (gloo: on the
+        host; without a gloo group, over NCCL: the host then waits for the GPU)."""
+        where = self.device if (self.nccl and self.control is self.group) else "cpu"
+        mine = torch.tensor(row, dtype=torch.int32, device=where)
+        out = torch.empty(self.world * len(row), dtype=torch.int32, device=where)
         try:
             _gather_single(out, mine, self.control)
+            out = out.cpu()
         except Exception as exc:  # noqa: BLE001 - a rank exited or never came
             self.fail(f"rank {self.rank} did not hear from every rank at the flush "
                       f"(finalize_grads / flush): {type(exc).__name__}: {_first_line(exc)}",
@@ -232,6 +238,17 @@ class Channels:
             if len(found) == self.world or time.monotonic() >= deadline:
                 return {r: self.store.get(k).decode(errors="replace") for r, k in found.items()}
             time.sleep(0.05)
+
+
+def _gloo_group(ranks, kw):
+    """A gloo group for the flag exchange beside NCCL, or None where gloo cannot connect
+    the hosts (the flags then go over the wrapper's NCCL group)."""
+    try:
+        return dist.new_group(ranks, backend="gloo", **kw)
+    except Exception as exc:  # noqa: BLE001 - e.g. no usable network interface for gloo
+        warnings.warn(f"{OP}: no gloo group ({type(exc).__name__}: {_first_line(exc)}); "
+                      f"the flags of each flush go over NCCL, which waits for the GPU")
+        return None
 
 
 def _gather_single(out, mine, group, async_op=False):
