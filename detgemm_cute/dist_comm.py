@@ -157,20 +157,33 @@ class Channels:
     def send(self, t, peer: int, role: int, index: int):
         group = self.next_group if role == 0 else self.deliver_group
         self._note("send", "hop" if role == 0 else "deliver", peer, index, t.numel())
-        return dist.isend(t, dst=self.ranks[peer], group=group, tag=self.tag(role, index))
+        return self._post(peer, "sending to it", dist.isend, t, dst=self.ranks[peer],
+                          group=group, tag=self.tag(role, index))
 
     def recv(self, t, peer: int, role: int, index: int):
         group = self.prev_group if role == 0 else self.deliver_group
         self._note("recv", "hop" if role == 0 else "deliver", peer, index, t.numel())
-        return dist.irecv(t, src=self.ranks[peer], group=group, tag=self.tag(role, index))
+        return self._post(peer, "receiving from it", dist.irecv, t, src=self.ranks[peer],
+                          group=group, tag=self.tag(role, index))
 
     def broadcast(self, t, index: int):
         self._note("broadcast", "deliver", self.world - 1, index, t.numel())
-        return dist.broadcast(t, src=self.ranks[-1], group=self.deliver_group, async_op=True)
+        return self._post(self.world - 1, "receiving its final values", dist.broadcast, t,
+                          src=self.ranks[-1], group=self.deliver_group, async_op=True)
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor):
         self._note("all_gather", "deliver", -1, -1, out.numel())
-        return _gather_single(out, mine, self.deliver_group, async_op=True)
+        return self._post(None, "gathering the updated parameters", _gather_single, out,
+                          mine, self.deliver_group, async_op=True)
+
+    def _post(self, peer, what: str, fn, *args, **kwargs):
+        """Post an operation; a peer already gone can make the posting itself fail."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a lost peer
+            lost = f"lost rank {peer}" if peer is not None else "lost a rank"
+            self.fail(f"rank {self.rank} {lost} while {what}: {type(exc).__name__}: "
+                      f"{_first_line(exc)}", peer)
 
     def wait(self, work, peer: int, what: str) -> float:
         """Wait for `work` (on a GPU: the current stream waits; on a CPU: this thread).
@@ -201,7 +214,8 @@ class Channels:
 
     def messages(self, msg: str | None) -> list:
         out = [None] * self.world
-        dist.all_gather_object(out, msg, group=self.control)
+        self._post(None, "exchanging error messages at the flush", dist.all_gather_object,
+                   out, msg, group=self.control)
         return out
 
     def fail(self, message: str, peer: int | None):
