@@ -50,14 +50,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def project(self, x, cos, sin):
+        """q, k, v as [batch, heads, seq, head_dim] (k, v with kv_heads), rotary applied."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         k = repeat_kv(k, self.heads // self.kv_heads)
         v = repeat_kv(v, self.heads // self.kv_heads)
         w = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(self.head_dim)) + mask

@@ -121,7 +121,10 @@ def bias_grad(dy: torch.Tensor, acc: torch.Tensor | None = None,
 
 def _ones_operand(device, dtype, tokens: int) -> torch.Tensor:
     """An [8, tokens] view of ones whose row stride is a multiple of 16 bytes, kept per
-    (device, dtype) and grown by doubling, so warm calls allocate nothing."""
+    (device, dtype) and grown by doubling, so warm calls allocate nothing. Kernels on
+    several streams read it (the data-parallel wrapper runs db on a side stream): on a GPU
+    its rare creation or growth waits for the device (not while a graph is captured), so
+    the new buffer is filled and the old one unused before it is freed."""
     key = (device, dtype)
     buf = _ones.get(key)
     if buf is None or buf.shape[1] < tokens:
@@ -130,6 +133,8 @@ def _ones_operand(device, dtype, tokens: int) -> torch.Tensor:
             if buf is None or buf.shape[1] < tokens:
                 cap = max(1024, 1 << (tokens - 1).bit_length())
                 buf = torch.ones((_ONES_COLS, cap), dtype=dtype, device=device)
+                if buf.is_cuda and not torch.cuda.is_current_stream_capturing():
+                    torch.cuda.synchronize(buf.device)
                 _ones[key] = buf
     return buf[:, :tokens]
 

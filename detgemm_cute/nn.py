@@ -32,9 +32,11 @@ class Linear(torch.nn.Linear):
     inside ``torch.autocast`` (then fp32 parameters are cast to the autocast dtype for the
     GEMMs, like torch.nn.Linear under autocast, and stay fp32 with fp32 gradients)."""
 
-    # Set by `detgemm_cute.distributed` (fp32_grad_accum only): a callable taking (dY, X)
-    # that takes over this layer's dW / db work from backward; its ``owner`` is flushed by
-    # `finalize_grads` and checked by `zero_main_grads`.
+    # Set by `detgemm_cute.distributed` (fp32_grad_accum only): a callable taking (dY, X,
+    # sync) that takes over this layer's dW / db work from backward; its ``owner`` is
+    # flushed by `finalize_grads` and checked by `zero_main_grads`, its ``token`` (a 0-d
+    # tensor given a zero gradient) tells when the layer's backward calls are all done, and
+    # ``sync_now()`` whether a forward now belongs to a synchronizing backward.
     dw_deferral = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -62,7 +64,9 @@ class Linear(torch.nn.Linear):
             for p in self._grad_params():
                 _main_grad(p)
             x, compute = _autocast_inputs(x, self.weight, self.bias)
-            return _LinearMainGrad.apply(x, self.weight, self.bias, self.dw_deferral, compute)
+            defer = self.dw_deferral
+            token = None if defer is None else defer.token
+            return _LinearMainGrad.apply(x, self.weight, self.bias, defer, compute, token)
         return _linear(x, self.weight, self.bias)
 
     def _grad_params(self) -> Iterator[torch.nn.Parameter]:
@@ -123,11 +127,15 @@ def _ddp_class():
 class _LinearMainGrad(torch.autograd.Function):
     """Linear whose backward accumulates dW and db into ``param.main_grad`` (fp32, one
     continued chain per micro-batch) and returns no gradient for the parameters.
-    `compute`: the (weight, bias) to compute with when autocast cast them (else None)."""
+    `compute`: the (weight, bias) to compute with when autocast cast them (else None).
+    With a deferral, `token` gets a zero gradient from every backward call, so that its
+    gradient hook runs once all of them are done."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, defer=None, compute=None):
+    def forward(ctx, x, weight, bias, defer=None, compute=None, token=None):
         ctx.params, ctx.defer = (weight, bias), defer
+        ctx.sync = defer is not None and defer.sync_now()
+        ctx.token = token is not None
         cw, cb = compute if compute is not None else (weight, bias)
         ctx.save_for_backward(x if weight.requires_grad else None,
                               cw if ctx.needs_input_grad[0] else None)
@@ -145,13 +153,14 @@ class _LinearMainGrad(torch.autograd.Function):
             with split.at_precision(ctx.fp32_precision):
                 gx = torch.ops.detgemm.input_grad(g, weight_saved, None)
         if ctx.defer is not None:
-            ctx.defer(g, x)  # dW and db later, in a rank-ordered chain
-            return gx, None, None, None, None
+            ctx.defer(g, x, ctx.sync)  # dW and db later, in a rank-ordered chain
+            done = torch.zeros((), dtype=_FP32, device=g.device) if ctx.token else None
+            return gx, None, None, None, None, done
         if weight.requires_grad:
             torch.ops.detgemm.weight_grad_acc_(weight.main_grad, g, x)
         if bias is not None and bias.requires_grad:
             torch.ops.detgemm.bias_grad_acc_(bias.main_grad, g)
-        return gx, None, None, None, None
+        return gx, None, None, None, None, None
 
 
 def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
@@ -211,10 +220,14 @@ def _deferral_owners(model: torch.nn.Module) -> list:
 def finalize_grads(model: torch.nn.Module) -> None:
     """Set ``p.grad = p.main_grad.to(p.dtype)`` (the one rounding) for every parameter that
     accumulates in fp32; parameters whose buffer was never written are left unchanged.
-    Deferred dW work of a data-parallel wrapper (`detgemm_cute.distributed`) runs first."""
+    Deferred dW work of a data-parallel wrapper (`detgemm_cute.distributed`) runs first,
+    and writes the ``.grad`` of the parameters it handles itself."""
+    handled = set()
     for owner in _deferral_owners(model):
-        owner.finalize()
+        handled |= owner.finalize()
     for p in _accum_params(model):
+        if id(p) in handled:
+            continue
         buf = getattr(p, "main_grad", None)
         if buf is not None:
             p.grad = buf.to(p.dtype)

@@ -4,12 +4,12 @@
     torchrun --nproc-per-node 2 examples/data_parallel_costs.py --device cuda   # NCCL
 
 `InvariantDataParallel` moves each step's fp32 gradients R-1 hops along the ranks (rank r
-sends every slice once to rank r+1, receives posted ahead, so the hops overlap
-slice by slice) and then broadcasts them from the last rank. This script times exactly
-that code path (`detgemm_cute.dist_chain.Engine`) with the per-rank dW work left out, next
-to `torch.distributed.all_reduce` of the same bytes (what DDP sends), for several sizes.
-Compute is not included: on a GPU the dW GEMMs add their own time, run while the slices
-travel.
+sends every slice once to rank r+1, all receives posted at the start, so the hops overlap
+slice by slice) and broadcasts each slice from the last rank as it is done. This script
+times exactly that code path (`detgemm_cute.dist_pass.Pass`) with the per-rank dW work left
+out, next to `torch.distributed.all_reduce` of the same bytes (what DDP sends), for
+several sizes. Compute is not included: on a GPU the dW GEMMs add their own time, run
+while the slices travel, and in training the pass overlaps the backward.
 """
 
 from __future__ import annotations
@@ -31,31 +31,44 @@ def _now(device):
     return time.perf_counter()
 
 
-def chain_pass(buf, pipeline_bytes: int, device):
-    """One pass + broadcast of `buf` through the library's engine, no compute."""
-    from detgemm_cute.dist_chain import Engine, FlushStats, Unit
+def make_engine(pipeline_bytes: int, device):
+    """The library's engine over the whole world, with no model (collective)."""
+    from detgemm_cute.dist_chain import Engine
 
-    eng = Engine(torch.nn.Module(), dist.group.WORLD, pipeline_bytes)
-    chunk = max(1, pipeline_bytes // 4)
-    units = [Unit(buf[a:a + chunk], lambda region, first: None)
-             for a in range(0, buf.numel(), chunk)]
-    st = FlushStats()
-    eng.pipeline(units, st)
-    dist.broadcast(buf, src=eng.ranks[-1])
-    return st
+    eng = Engine(torch.nn.Module(), dist.group.WORLD, pipeline_bytes, device=device,
+                 backend=dist.get_backend())
+    eng.ch.make_groups()
+    return eng
+
+
+def chain_pass(eng, buf):
+    """One pass of `buf` through the library's pass (`detgemm_cute.dist_pass.Pass`): slices
+    passed rank to rank, each broadcast from the last rank; no compute (the slices of a
+    sum to which no rank adds a gradient)."""
+    from detgemm_cute.dist_pass import Pass
+    from detgemm_cute.dist_records import sum_units
+
+    units = sum_units("buffer", torch.nn.Parameter(buf, requires_grad=False), buf, 0,
+                      eng.pipeline_bytes)
+    p = Pass(eng, [], overlapped=False)
+    p.start()
+    p.launch_others(units)
+    p.drain()
+    return p.st
 
 
 def measure(sizes_mib, pipeline_bytes, device, reps):
     rows = []
+    eng = make_engine(pipeline_bytes, device)
     for mib in sizes_mib:
         buf = torch.zeros(int(mib * (1 << 20)) // 4, device=device)
-        chain_pass(buf, pipeline_bytes, device)  # warm-up
+        chain_pass(eng, buf)  # warm-up
         dist.all_reduce(buf)
         times = {"pass": [], "all_reduce": []}
         for _ in range(reps):
             dist.barrier()
             t0 = _now(device)
-            chain_pass(buf, pipeline_bytes, device)
+            chain_pass(eng, buf)
             t1 = _now(device)
             dist.barrier()
             t2 = _now(device)

@@ -15,7 +15,8 @@ multiple of 16 tokens.
 What makes the weights world-size invariant:
 - every Linear is a detgemm Linear with fp32 gradient accumulation, wrapped in
   `InvariantDataParallel`, so each weight's gradient is one fp32 chain over the global
-  batch in order, whoever computed which tokens;
+  batch in order, whoever computed which tokens (the micro-batches but the last run under
+  `no_sync()`; the last one's backward starts the rank-to-rank pass);
 - every other op works per token (GELU, residual adds, an RMSNorm without weights, the
   loss), so a token's activations and dY do not depend on which rank holds it;
 - the loss is a sum over tokens divided by the *global* token count (nothing is divided by
@@ -28,6 +29,7 @@ are summed across ranks in rank order and change with the world size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -93,9 +95,13 @@ def train(args, device, group=None, wrap=True):
     model = build(args, device)
     world = dist.get_world_size(group) if wrap else 1
     rank = dist.get_rank(group) if wrap else 0
-    net = (InvariantDataParallel(model, group, pipeline_bytes=args.pipeline_bytes) if wrap
-           else model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if wrap:
+        net = InvariantDataParallel(model, group, pipeline_bytes=args.pipeline_bytes,
+                                    overlap=not args.no_overlap, shard_optimizer=args.shard)
+        opt = net.make_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
+    else:
+        net = model
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     per_rank = args.tokens // world
     micro = per_rank // args.micro
     costs = {"finalize_s": [], "step_s": []}
@@ -108,8 +114,12 @@ def train(args, device, group=None, wrap=True):
         loss_total.zero_()
         for j in range(args.micro):
             rows = slice(rank * per_rank + j * micro, rank * per_rank + (j + 1) * micro)
-            loss = F.cross_entropy(net(x[rows]).float(), y[rows], reduction="sum") / args.tokens
-            loss.backward()
+            # the last micro-batch's backward starts the rank-to-rank pass, overlapped
+            sync = j == args.micro - 1 or not wrap
+            with contextlib.nullcontext() if sync else net.no_sync():
+                loss = F.cross_entropy(net(x[rows]).float(), y[rows],
+                                       reduction="sum") / args.tokens
+                loss.backward()
             loss_total += loss.detach()
         if wrap and world > 1:
             dist.barrier(group)  # for the timing only: every rank starts finalize together
@@ -123,7 +133,8 @@ def train(args, device, group=None, wrap=True):
     if wrap:
         st = net.stats
         costs.update(held=st.held_bytes, sent=st.sent_bytes, received=st.received_bytes,
-                     broadcast=st.broadcast_bytes, wait_s=st.wait_seconds,
+                     broadcast=st.broadcast_bytes, delivered=st.delivered_bytes,
+                     wait_s=st.wait_seconds,
                      broadcast_s=st.broadcast_seconds,
                      grad_bytes=sum(p.numel() * 4 for p in model.parameters()))
         if world > 1:
@@ -194,15 +205,17 @@ def run(rank: int, world: int, args, device) -> int:
         print(f"{label:>12}  {h:>16}  {loss:10.6f}  {'same' if agree else 'DIFFER':>9}  "
               f"{'yes' if ok else 'NO':>12}")
     print("weights identical at every world size: " + ("yes" if same else "NO"))
-    print("\ncosts per step on rank 0 (X and dY held until finalize; fp32 gradients passed "
-          "rank to rank, then broadcast from the last rank; times: median over steps 2..)")
+    print("\ncosts per step on rank 0 (X and dY held at most; fp32 gradients passed rank to "
+          "rank from the last micro-batch's backward on, then broadcast from the last rank, "
+          "or with --shard sent to the ranks that own them; times: median over steps 2..)")
     print(f"  one device, no wrapper: step {_ms(results['one device'][2]['step_s'])}")
     for s in world_sizes(world):
         c, last = results[s][2], gathered[s - 1][s][1]
         wait = (f" (last step: rank {s - 1} waited {1e3 * last['wait_s']:.1f} ms for rank "
                 f"{s - 2})" if s > 1 else "")
         print(f"  world {s}: held {c['held'] / 1024:.1f} KiB per rank, sent {c['sent'] / 1024:.1f}"
-              f" KiB by rank 0, broadcast {c['broadcast'] / 1024:.1f} KiB; finalize "
+              f" KiB by rank 0, broadcast {c['broadcast'] / 1024:.1f} KiB, delivered "
+              f"{c['delivered'] / 1024:.1f} KiB; finalize "
               f"{_ms(c['finalize_s'])}{wait}, step {_ms(c['step_s'])}")
     if world > 1:
         print(f"  ring all-reduce of the same {results[world][2]['grad_bytes'] / 1024:.1f} KiB on "
@@ -262,6 +275,10 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pipeline-bytes", type=int, default=4 << 20,
                     help="fp32 bytes per slice of output features passed rank to rank")
+    ap.add_argument("--shard", action="store_true",
+                    help="sharded finish: each rank steps the optimizer on its 1/R")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="start the rank-to-rank pass at finalize_grads, not in the backward")
     ap.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     args = ap.parse_args(argv)
     return args

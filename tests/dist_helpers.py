@@ -44,19 +44,21 @@ def one_rank_gloo(directory):
 
 
 def run_world(fn, world: int, *args, backend: str = "gloo", timeout: float = 240.0,
-              pg_timeout: float = 60.0) -> list:
+              pg_timeout: float = 60.0, may_exit: tuple = ()) -> list:
     """Run ``fn(rank, world, *args)`` on `world` fresh processes; returns their results.
+    A rank in `may_exit` may end its process itself, as the test makes it: its result is
+    what it saved (`save_result`) before, or None.
 
     A world in which a rank was killed by a signal before it reported anything is started
     once more from scratch (a new store, new processes); any Python error, hang, missing or
     wrong result fails at once."""
     try:
-        return _run_world_once(fn, world, args, backend, timeout, pg_timeout)
+        return _run_world_once(fn, world, args, backend, timeout, pg_timeout, may_exit)
     except _RankKilled:
-        return _run_world_once(fn, world, args, backend, timeout, pg_timeout)
+        return _run_world_once(fn, world, args, backend, timeout, pg_timeout, may_exit)
 
 
-def _run_world_once(fn, world, args, backend, timeout, pg_timeout) -> list:
+def _run_world_once(fn, world, args, backend, timeout, pg_timeout, may_exit) -> list:
     tmp = tempfile.mkdtemp(prefix="detgemm_dist_")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, rank, world, tmp, args, backend, pg_timeout),
@@ -91,6 +93,10 @@ def _run_world_once(fn, world, args, backend, timeout, pg_timeout) -> list:
             # it and was then aborted by a signal while tearing down gloo ("terminate called
             # without an active exception", seen on a loaded 2-core machine) did its work:
             # its result counts. Any other nonzero exit, or no result, fails.
+            if r in may_exit:
+                results.append(torch.load(path, weights_only=False)
+                               if os.path.exists(path) else None)
+                continue
             if (p.exitcode != 0 and not killed) or not os.path.exists(path):
                 raise AssertionError(f"rank {r} exited with code {p.exitcode} and no result")
             results.append(torch.load(path, weights_only=False))
@@ -99,8 +105,19 @@ def _run_world_once(fn, world, args, backend, timeout, pg_timeout) -> list:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_RESULT_PATH = [None]  # this worker process's result file
+
+
+def save_result(result) -> None:
+    """Write this rank's result (a rank that is about to end its own process saves first)."""
+    path = _RESULT_PATH[0]
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)  # the name appears only once the file is whole
+
+
 def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
     torch.set_num_threads(1)
+    _RESULT_PATH[0] = os.path.join(tmp, f"rank{rank}.pt")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -108,9 +125,9 @@ def _entry(fn, rank, world, tmp, args, backend, pg_timeout):
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
-        path = os.path.join(tmp, f"rank{rank}.pt")
-        torch.save(result, path + ".part")
-        os.replace(path + ".part", path)  # the name appears only once the file is whole
+        save_result(result)
+        if isinstance(result, dict) and result.get("leave"):
+            os._exit(0)  # its process group is broken (a peer died): no teardown
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -206,8 +223,12 @@ def _rows(chunk_ids, device):
 
 def train(rank, world, cfg, wrap=True):
     """AdamW steps with gradient accumulation; returns weights, this rank's last-step main
-    grads and flush stats (and, for the norm model, a check of the rank-order sum)."""
+    grads and flush stats (and, for the norm model, a check of the rank-order sum).
+
+    cfg: overlap (default True: the last micro-batch's backward, outside no_sync(), starts
+    the pass), shard (sharded finish and optimizer), log (keep the posted operations)."""
     import detgemm_cute as dg
+    from detgemm_cute.dist_shard import state_numel
     from detgemm_cute.distributed import InvariantDataParallel
 
     device = cfg.get("device", "cpu")
@@ -216,21 +237,34 @@ def train(rank, world, cfg, wrap=True):
     kind, seed, chunks = cfg["kind"], cfg["seed"], cfg["chunks"]
     shape = {"d": cfg["d"], "h": cfg["h"]} if "d" in cfg else {}
     model = build(kind, seed, device, dtype, **shape)
-    net = (InvariantDataParallel(model, pipeline_bytes=cfg.get("pipeline_bytes", 4 << 20))
-           if wrap else model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    net = model
+    if wrap:
+        net = InvariantDataParallel(model, pipeline_bytes=cfg.get("pipeline_bytes", 4 << 20),
+                                    overlap=cfg.get("overlap", True),
+                                    shard_optimizer=cfg.get("shard", False))
+        if cfg.get("log"):
+            net._engine.ch.log = []
+        opt = net.make_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     total = chunks * TOKENS
     out = {"stats": [], "sum_order_ok": []}
     for step in range(cfg["steps"]):
         x, y = global_batch(kind, seed, step, chunks, device, dtype, d=cfg.get("d", 32))
         dg.nn.zero_main_grads(net)
         opt.zero_grad()
-        for ids in rank_chunks(rank, world, chunks, cfg["micro"], cfg["order"]):
+        micro = rank_chunks(rank, world, chunks, cfg["micro"], cfg["order"])
+        for j, ids in enumerate(micro):
             rows = _rows(ids, device)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
-                                enabled=bool(cfg.get("autocast"))):
+            last = j == len(micro) - 1 or cfg["order"] == "interleaved"
+            with contextlib.ExitStack() as stack:
+                if wrap and not last:
+                    stack.enter_context(net.no_sync())
+                stack.enter_context(torch.autocast(torch.device(device).type,
+                                                   dtype=torch.bfloat16,
+                                                   enabled=bool(cfg.get("autocast"))))
                 out_ = net(x[rows])
-            (loss_sum(kind, out_, y[rows]) / total).backward()
+                (loss_sum(kind, out_, y[rows]) / total).backward()
             if cfg["order"] == "interleaved" and wrap:
                 net.flush()
         others = {}
@@ -245,13 +279,33 @@ def train(rank, world, cfg, wrap=True):
             acc = parts[0].float()
             for g in parts[1:]:
                 acc = acc + g.float()
-            out["sum_order_ok"].append((n, torch.equal(p.grad, acc.to(p.dtype))))
+            grad = p.grad if not cfg.get("shard") else _gathered_grad(net, p, world)
+            out["sum_order_ok"].append((n, torch.equal(grad, acc.to(p.dtype))))
         opt.step()
     out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     out["main_grads"] = {n: p.main_grad.cpu().clone() for n, p in model.named_parameters()
                          if hasattr(p, "main_grad")}
-    out["flat_bytes"] = (net._engine.flat.numel() * 4) if wrap else 0
+    out["flat_bytes"] = 4 * sum(p.numel() for layer in net._engine.layers
+                                for p in layer.params) if wrap else 0
+    out["state_numel"] = state_numel(opt)
+    out["log"] = net._engine.ch.log if wrap else None
     return out
+
+
+def _gathered_grad(net, p, world):
+    """Sharded finish: the whole .grad of model parameter `p`, from the ranks' pieces."""
+    eng = net._engine
+    lo = eng.layout.offset[id(p)]
+    full = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+    for r in range(world):
+        for q, gi, a, b in eng.layout.shard_pieces(r):
+            if q is p:
+                part = torch.zeros(b - a, dtype=p.dtype, device=p.device)
+                if r == eng.rank:
+                    part.copy_(eng.pieces[id(p)][0].grad)
+                dist.broadcast(part, src=r)
+                full[a - lo:b - lo] = part
+    return full.view(p.shape)
 
 
 def _gather(t, world):
@@ -267,6 +321,93 @@ def train_worker(rank, world, cfg):
     return out
 
 
+def train_many(rank, world, cfgs: dict):
+    """Several trainings in one world, one after another: {label: train_worker result}."""
+    return {label: train_worker(rank, world, cfg) for label, cfg in cfgs.items()}
+
+
+def posting_order_problems(logs: list) -> list[str]:
+    """What would deadlock or mismatch on NCCL, where each communicator runs its
+    operations in posting order: for every pair of neighbours, rank a's hop sends to b must
+    be rank b's hop receives from a, in order and size; for the delivery group, the
+    collectives must be the same on every rank and every point-to-point sequence
+    must match its peer's, in order and size."""
+    problems = []
+    world = len(logs)
+
+    def ops(r, kind, role, peer=None):
+        return [(e[3], e[4]) for e in logs[r] if e[0] == kind and e[1] == role
+                and (peer is None or e[2] == peer)]
+
+    for a in range(world - 1):
+        if ops(a, "send", "hop", a + 1) != ops(a + 1, "recv", "hop", a):
+            problems.append(f"hops {a} -> {a + 1} do not match")
+    for a in range(world):
+        for b in range(world):
+            if a != b and ops(a, "send", "deliver", b) != ops(b, "recv", "deliver", a):
+                problems.append(f"deliveries {a} -> {b} do not match")
+    coll = [[(e[0], e[3], e[4]) for e in log if e[0] in ("broadcast", "all_gather")]
+            for log in logs]
+    if any(c != coll[0] for c in coll):
+        problems.append("collectives differ between ranks")
+    return problems
+
+
+# ------------------------------------------------------------------------------ faults
+def fault_worker(rank, world, seed, device="cpu"):
+    """Two faults in one world, each in the middle of the chain on rank 1 (its dW GEMM is
+    replaced): first it raises once (every rank's error is kept; every rank then drops
+    the step and trains one more, which must work), then rank 1's process exits at its
+    next dW (it saves its result first; the others keep their errors and leave without
+    tearing down the broken group)."""
+    import detgemm_cute as dg
+    from detgemm_cute import dist_records
+    from detgemm_cute.distributed import InvariantDataParallel
+
+    model = build("mlp", seed, device)
+    net = InvariantDataParallel(model, pipeline_bytes=1024)
+    opt = net.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    real = dist_records.weight_grad
+    fault = [None]
+
+    def faulty(*args, **kwargs):
+        if fault[0] == "raise":
+            fault[0] = None
+            raise RuntimeError("injected fault in rank 1's dW")
+        if fault[0] == "exit":
+            save_result(out)
+            os._exit(17)
+        return real(*args, **kwargs)
+
+    if rank == 1:
+        dist_records.weight_grad = faulty
+
+    def step(s):
+        x, y = global_batch("mlp", seed, s, world, device)
+        rows = _rows([rank], device)
+        dg.nn.zero_main_grads(net)
+        opt.zero_grad()
+        (loss_sum("mlp", net(x[rows]), y[rows]) / (world * TOKENS)).backward()
+        dg.nn.finalize_grads(net)
+        opt.step()
+
+    def timed(s):
+        t0 = time.monotonic()
+        error = _expect_error(lambda: step(s))
+        return {"error": error, "seconds": time.monotonic() - t0}
+
+    out = {}
+    fault[0] = "raise"
+    out["raise"] = timed(0)
+    net.discard_pending()
+    step(1)
+    out["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    fault[0] = "exit"
+    out["exit"] = timed(2)
+    out["leave"] = True
+    return out
+
+
 # ------------------------------------------------------------------------ bad setups
 BAD_EXPECT = {  # check -> (exception types, any of these substrings)
     "model differs on rank 1": (("RuntimeError",), ["model on rank 1 differs from rank 0's"]),
@@ -276,13 +417,16 @@ BAD_EXPECT = {  # check -> (exception types, any of these substrings)
     "optimizer.step without finalize": (("RuntimeError",), ["optimizer.step() ran after"]),
     "zero_main_grads without finalize": (("RuntimeError",), ["zero_main_grads() ran after"]),
     "flush on rank 0, finalize on rank 1": (("RuntimeError",), ["ranks disagree"]),
-    "input modified in place on rank 0": (("RuntimeError",),
-                                          ["modified in place", "another rank failed"]),
+    "backward after the synchronizing one": (("RuntimeError",),
+                                             ["a backward ran after this step's synchronizing"]),
+    "input modified in place on rank 0": (("RuntimeError",), ["modified in place"]),
     "rank 1 not converted for fp32 accumulation": (("ValueError", "RuntimeError"),
                                                    ["fp32_grad_accum=True"]),
     "no detgemm Linear": (("ValueError",), ["no trainable detgemm Linear"]),
     "layer shares its weight": (("ValueError",), ["tied weights"]),
     "sparse embedding gradient": (("RuntimeError",), ["only dense gradients"]),
+    "make_optimizer over a foreign tensor": (("ValueError",), ["not a trainable parameter"]),
+    "make_optimizer of a non-optimizer": (("TypeError",), ["optimizer_class must be"]),
 }
 
 
@@ -331,8 +475,15 @@ def bad_setup_worker(rank, world, seed):
         net.flush if rank == 0 else lambda: dg.nn.finalize_grads(net))
 
     net = IDP(build("mlp", seed))
+    step_on(net, 16, finalize=False)
+    out["backward after the synchronizing one"] = _expect_error(
+        lambda: step_on(net, 16, finalize=False))
+    net.discard_pending()  # waits for the first backward's pass, posted on both ranks
+
+    net = IDP(build("mlp", seed))
     x, y = global_batch("mlp", seed, 1, 1)
-    (loss_sum("mlp", net(x), y) / 32).backward()
+    with net.no_sync():  # records kept until the pass
+        (loss_sum("mlp", net(x), y) / 32).backward()
     if rank == 0:
         x.add_(1)
     out["input modified in place on rank 0"] = _expect_error(lambda: dg.nn.finalize_grads(net))
@@ -359,6 +510,12 @@ def bad_setup_worker(rank, world, seed):
         (net(m.emb(torch.arange(16) % 8)).float().sum() / 32).backward()
         dg.nn.finalize_grads(net)
     out["sparse embedding gradient"] = _expect_error(sparse)
+
+    net = IDP(build("mlp", seed), shard_optimizer=True)
+    out["make_optimizer over a foreign tensor"] = _expect_error(
+        lambda: net.make_optimizer(torch.optim.AdamW, [torch.nn.Parameter(torch.zeros(2))]))
+    out["make_optimizer of a non-optimizer"] = _expect_error(
+        lambda: net.make_optimizer(torch.nn.Linear))
 
     # a process group without this rank (rank 1); rank 0 wraps alone
     group = dist.new_group([0])

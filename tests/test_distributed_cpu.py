@@ -38,69 +38,108 @@ def test_rank_chunks_layouts():
 def test_weights_are_bit_identical_at_world_sizes_1_2_4():
     """A model of detgemm Linears and element-wise ops, 3 AdamW steps with gradient
     accumulation, the global batch of each step split over 1, 2 or 4 ranks (consecutive
-    slices, rank 0 first; 2 micro-batches per rank at worlds 1 and 2): every rank of every
-    world ends with the bits of one process trained without the wrapper on the same
-    micro-batches in order. Also at world 2 with small pipeline slices, and at world 2 with
-    a flush after every micro-batch over the interleaved layout; `finalize_grads` on the
-    wrapper, or at world 4 on the inner model."""
+    slices, rank 0 first; 2 micro-batches per rank at worlds 1 and 2, the first under
+    no_sync()): every rank of every world ends with the bits of one process trained without
+    the wrapper on the same micro-batches in order. Each world runs several ways in turn:
+    the pass overlapped with the backward (the default) or started at the flush
+    (overlap=False), 1 KiB pipeline slices, a flush after every micro-batch over the
+    interleaved layout, `finalize_grads` on the inner model, and the sharded finish
+    (shard_optimizer=True: results to their owners, each rank steps 1/R of the parameters,
+    then all-gathers them), whose optimizer state is split over the ranks. On NCCL each
+    communicator runs its operations in posting order: the posted sequences match."""
     seed = _seed()
     base = dict(kind="mlp", seed=seed, chunks=CHUNKS, steps=STEPS, order="rank_major")
-    runs = {
-        "world 1": run_world(train_worker, 1, dict(base, micro=2, plain_too=True)),
-        "world 2, 1 KiB slices": run_world(train_worker, 2,
-                                           dict(base, micro=2, pipeline_bytes=1024)),
-        "world 4, finalize on the inner model": run_world(
-            train_worker, 4, dict(base, micro=1, finalize_inner=True)),
-        "world 2, flush per micro-batch": run_world(train_worker, 2,
-                                                    dict(base, micro=2, order="interleaved")),
+    two = dict(base, micro=2)
+    worlds = {
+        1: {"overlap": dict(two, plain_too=True)},
+        2: {"overlap, 1 KiB slices": dict(two, pipeline_bytes=1024, log=True),
+            "flush per micro-batch": dict(two, order="interleaved"),
+            "pass at the flush": dict(two, overlap=False),
+            "sharded, 1 KiB slices": dict(two, shard=True, pipeline_bytes=1024, log=True),
+            "sharded, flush per micro-batch": dict(two, shard=True, order="interleaved",
+                                                   pipeline_bytes=1024)},
+        4: {"finalize on the inner model": dict(base, micro=1, finalize_inner=True, log=True),
+            "sharded": dict(base, micro=1, shard=True, log=True)},
     }
-    plain = runs["world 1"][0]["plain"]
+    runs = {w: run_world(H.train_many, w, cfgs) for w, cfgs in worlds.items()}
+    plain = runs[1][0]["overlap"]["plain"]
     ref = plain["weights"]
     # the one-process reference trained: its weights moved away from the initial ones
     init = {n: p.detach() for n, p in build("mlp", seed).named_parameters()}
     assert all(not torch.equal(ref[n], init[n]) for n in init)
-    for label, results in runs.items():
-        for rank, res in enumerate(results):
-            assert not _same(res["weights"], ref), (label, rank, seed, _same(res["weights"], ref))
-            assert not _same(res["main_grads"], plain["main_grads"]), (label, rank, seed)
-    _check_costs(runs["world 1"], runs["world 2, 1 KiB slices"])
+    for w, results in runs.items():
+        for label in worlds[w]:
+            for rank, res in enumerate(results):
+                got = res[label]
+                assert not _same(got["weights"], ref), (w, label, rank, seed,
+                                                        _same(got["weights"], ref))
+                if not worlds[w][label].get("shard"):  # sharded: main_grad final on owners only
+                    assert not _same(got["main_grads"], plain["main_grads"]), (w, label, rank)
+            logs = [res[label]["log"] for res in results]
+            if logs[0] is not None:
+                assert not H.posting_order_problems(logs), (w, label,
+                                                            H.posting_order_problems(logs))
+    _check_costs(runs[1][0]["overlap"], [res["pass at the flush"] for res in runs[2]],
+                 [res["overlap, 1 KiB slices"] for res in runs[2]])
+    _check_shards([res["sharded"] for res in runs[4]], plain["state_numel"])
 
 
-def _check_costs(solo, pair):
+def _check_costs(solo, pair, overlapped):
     """What a flush moves, per rank: R-1 hops of the fp32 gradients (rank r < R-1 sends
     them once, rank r > 0 receives them once) and one broadcast of them; nothing at world
-    1. 1 KiB slices cut each weight into slices of 8 output features."""
-    st = solo[0]["stats"][-1]
+    1. 1 KiB slices cut each weight into slices of 8 output features. Held X and dY: at the
+    flush, all of both micro-batches; overlapped, less (each layer's records go as its
+    chain starts), but at least the first micro-batch's."""
+    st = solo["stats"][-1]
     assert (st.sent_bytes, st.received_bytes, st.broadcast_bytes) == (0, 0, 0)
     flat = pair[0]["flat_bytes"]
     # Mlp(32, 64): up 64x32 + 64, mid 64x64, down 32x64 + 32 parameters, fp32
     assert flat == 4 * (64 * 32 + 64 + 64 * 64 + 32 * 64 + 32)
-    s0, s1 = pair[0]["stats"][-1], pair[1]["stats"][-1]
-    assert (s0.sent_bytes, s0.received_bytes) == (flat, 0)
-    assert (s1.sent_bytes, s1.received_bytes) == (0, flat)
-    assert s0.broadcast_bytes == s1.broadcast_bytes == flat
+    for run in (pair, overlapped):
+        s0, s1 = run[0]["stats"][-1], run[1]["stats"][-1]
+        assert (s0.sent_bytes, s0.received_bytes) == (flat, 0)
+        assert (s1.sent_bytes, s1.received_bytes) == (0, flat)
+        assert s0.broadcast_bytes == s1.broadcast_bytes == flat
+        assert s0.calls == 3 * 2 and s0.flushes == 1 and s0.finalize
     # 1 KiB = 256 fp32: 8 rows of a 32-wide weight, 8 rows (rounded down to 8) of 64-wide
-    assert s0.units == 64 // 8 + 1 + 64 // 8 + 32 // 8 + 1
-    # held until finalize: X and dY of each Linear call in bf16, 2 micro-batches of 16
+    assert overlapped[0]["stats"][-1].units == 64 // 8 + 1 + 64 // 8 + 32 // 8 + 1
+    assert overlapped[0]["stats"][-1].overlapped == 1 and pair[0]["stats"][-1].overlapped == 0
+    # held until the flush: X and dY of each Linear call in bf16, 2 micro-batches of 16
     # tokens: (32+64) + (64+64) + (64+32) features per token
-    assert s0.held_bytes == 2 * 2 * TOKENS * (32 + 64 + 64 + 64 + 64 + 32)
-    assert s0.calls == 3 * 2 and s0.flushes == 1 and s0.finalize
+    micro_bytes = 2 * TOKENS * (32 + 64 + 64 + 64 + 64 + 32)
+    assert pair[0]["stats"][-1].held_bytes == 2 * micro_bytes
+    assert micro_bytes <= overlapped[0]["stats"][-1].held_bytes < 2 * micro_bytes
+
+
+def _check_shards(shards, plain_state):
+    """Sharded finish at world 4: each rank's optimizer state is about 1/4 of one
+    process's (its chunk of the padded flat space), and together they hold all of it."""
+    from detgemm_cute.dist_layout import ALIGN
+
+    per_rank = [res["state_numel"] for res in shards]
+    assert sum(per_rank) == plain_state  # AdamW: two moments of every element, once
+    # a rank's chunk: a quarter of the flat space, which pads each of the 5 parameters
+    # to a multiple of ALIGN elements
+    assert max(per_rank) <= plain_state // 4 + 2 * ALIGN * 5, (per_rank, plain_state)
+    s3 = shards[3]["stats"][-1]
+    assert s3.broadcast_bytes == 0 and s3.delivered_bytes > 0
 
 
 def test_norm_model_is_identical_across_two_runs_at_world_2():
-    """Embedding, LayerNorm and RMSNorm beside detgemm Linears at world 2: two launches give
-    the same bits on every rank, and each non-detgemm gradient is exactly the fp32 sum
-    rank 0 + rank 1 of the local gradients, rounded once."""
+    """Embedding, LayerNorm and RMSNorm beside detgemm Linears at world 2: two launches (the
+    second with the sharded finish) give the same bits on every rank, and each non-detgemm
+    gradient is exactly the fp32 sum rank 0 + rank 1 of the local gradients, rounded once."""
     seed = _seed()
     cfg = dict(kind="norm", seed=seed, chunks=CHUNKS, steps=2, order="rank_major", micro=1)
     first = run_world(train_worker, 2, cfg)
-    second = run_world(train_worker, 2, cfg)
+    second = run_world(train_worker, 2, dict(cfg, shard=True))
     for a, b in zip(first, second):
         assert not _same(a["weights"], b["weights"]), seed
         assert not _same(a["weights"], first[0]["weights"]), seed
-        names = {n for n, _ in a["sum_order_ok"]}
-        assert names == {"emb.weight", "ln.weight", "ln.bias", "rms.weight"}
-        assert all(ok for _, ok in a["sum_order_ok"]), a["sum_order_ok"]
+        for res in (a, b):
+            names = {n for n, _ in res["sum_order_ok"]}
+            assert names == {"emb.weight", "ln.weight", "ln.bias", "rms.weight"}
+            assert all(ok for _, ok in res["sum_order_ok"]), res["sum_order_ok"]
 
 
 def test_bad_setups_get_clear_errors():
@@ -139,6 +178,10 @@ def test_constructor_errors_without_a_process_group():
         InvariantDataParallel(model, pipeline_bytes=0)
     with pytest.raises(TypeError, match="broadcast_parameters must be a bool"):
         InvariantDataParallel(model, broadcast_parameters="yes")
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        InvariantDataParallel(model, overlap=1)
+    with pytest.raises(TypeError, match="shard_optimizer must be a bool"):
+        InvariantDataParallel(model, shard_optimizer="yes")
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         InvariantDataParallel(model)
 
@@ -191,3 +234,38 @@ def test_fp32_parameters_under_autocast_at_world_2():
     for rank, res in enumerate(results):
         assert not _same(res["weights"], plain["weights"]), (rank, seed)
         assert not _same(res["main_grads"], plain["main_grads"]), (rank, seed)
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """World 3, the pass overlapped with the backward, rank 1's dW GEMM replaced: it raises
+    once, then (after a recovered step) its process exits; 10 s process-group timeout."""
+    seed = _seed()
+    return seed, run_world(H.fault_worker, 3, seed, pg_timeout=10, timeout=120, may_exit=(1,))
+
+
+def test_a_rank_raising_mid_chain_is_named_on_every_rank(faults):
+    """Rank 1's dW GEMM raises in the middle of the chain. Rank 1 passes its slices on
+    unchanged, so no rank waits for data that never comes, and at finalize_grads every rank
+    raises a RuntimeError naming rank 1 and its error, within seconds. After
+    discard_pending() the next step trains on every rank, to the same weights everywhere."""
+    seed, results = faults
+    for rank, res in enumerate(results):
+        kind, msg = res["raise"]["error"]
+        assert kind == "RuntimeError", (rank, kind, msg)
+        assert "rank 1 failed" in msg and "injected fault in rank 1's dW" in msg, (rank, msg)
+        assert res["raise"]["seconds"] < 10, (rank, res["raise"]["seconds"])
+    assert all(not _same(res["weights"], results[0]["weights"]) for res in results), seed
+
+
+def test_a_rank_exiting_mid_chain_is_named_on_every_surviving_rank(faults):
+    """Rank 1's process exits in the middle of the chain. Rank 2 (waiting for its slices)
+    and rank 0 (at finalize_grads) each raise a RuntimeError that names rank 1, well within
+    the process-group timeout (10 s) instead of hanging."""
+    _, results = faults
+    assert "exit" not in results[1]  # it saved its result, then exited inside the step
+    for rank in (0, 2):
+        kind, msg = results[rank]["exit"]["error"]
+        assert kind == "PassFailed", (rank, kind, msg)
+        assert "rank 1" in msg.lower(), (rank, msg)
+        assert results[rank]["exit"]["seconds"] < 10, (rank, results[rank]["exit"]["seconds"])

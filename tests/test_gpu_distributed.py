@@ -4,6 +4,7 @@ db run per slice of output features) gives the bits of the plain chain (dW in ba
 and the GPU's deferred chain gives the CPU reference's bits. Multi-GPU runs:
 tests/test_multigpu_distributed.py."""
 
+import contextlib
 import datetime
 import random
 import tempfile
@@ -60,24 +61,31 @@ def _bits(t):
 
 
 def _step(net, xs, ys, total, flush_each=False):
+    """One step over micro-batches; wrapped, all but the last under no_sync() (the last
+    backward starts the pass), or with a flush after each."""
     dg.nn.zero_main_grads(net)
-    for x, y in zip(xs, ys):
-        ((net(x).float() - y.float()).square().sum() / total).backward()
+    wrapped = isinstance(net, InvariantDataParallel)
+    for j, (x, y) in enumerate(zip(xs, ys)):
+        hold = wrapped and not flush_each and j < len(xs) - 1
+        with net.no_sync() if hold else contextlib.nullcontext():
+            ((net(x).float() - y.float()).square().sum() / total).backward()
         if flush_each:
             net.flush()
     dg.nn.finalize_grads(net)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pipeline_bytes,flush_each", [(4 << 20, False), (64 << 10, False),
-                                                       (64 << 10, True)])
-def test_deferred_chain_equals_plain_chain(dtype, pipeline_bytes, flush_each):
+@pytest.mark.parametrize("pipeline_bytes,flush_each,overlap", [
+    (4 << 20, False, True), (64 << 10, False, True), (64 << 10, True, True),
+    (64 << 10, False, False)])
+def test_deferred_chain_equals_plain_chain(dtype, pipeline_bytes, flush_each, overlap):
     """3 AdamW steps with micro-batches of 16, 48, 2048 and 512 tokens: the wrapped model
-    (world of one, deferred dW/db per slice of output features, optionally a flush after
-    every micro-batch) keeps the plain model's main_grad, .grad and weights bit for bit."""
+    (world of one, deferred dW/db per slice of output features on the side stream, started
+    in the last backward or at the flush, optionally a flush after every micro-batch) keeps
+    the plain model's main_grad, .grad and weights bit for bit."""
     seed = random.randrange(1 << 30)
     plain, wrapped = _model(seed, dtype), _model(seed, dtype)
-    net = InvariantDataParallel(wrapped, pipeline_bytes=pipeline_bytes)
+    net = InvariantDataParallel(wrapped, pipeline_bytes=pipeline_bytes, overlap=overlap)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, wrapped)]
     sizes = [16, 48, 2048, 512]
     for step in range(3):
@@ -104,10 +112,11 @@ def test_gpu_deferred_chain_equals_cpu_reference():
                                 pipeline_bytes=1024)
     sizes = [16, 32, 48]
     dg.nn.zero_main_grads(net)
-    for t in sizes:
-        x = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
-        y = torch.randn(t, 40, device=DEV).to(torch.bfloat16)
-        ((net(x).float() - y.float()).square().sum() / sum(sizes)).backward()
+    with net.no_sync():  # records kept until finalize_grads
+        for t in sizes:
+            x = torch.randn(t, 64, device=DEV).to(torch.bfloat16)
+            y = torch.randn(t, 40, device=DEV).to(torch.bfloat16)
+            ((net(x).float() - y.float()).square().sum() / sum(sizes)).backward()
     expected = {}
     for layer in net._engine.layers:
         dy = torch.cat([r.dy.cpu() for r in layer.records])
