@@ -67,19 +67,6 @@ def tile_for(head_dim: int, head_dim_v: int):
     return interface._tile_size_fwd_sm90(head_dim, head_dim_v, True, False)
 
 
-def pack_gqa(b: int, hq: int, hk: int, sq: int, tile_m: int, device) -> bool:
-    """Whether a CTA's query tile holds the rows of all query heads of one key head (packed)
-    or of one query head. A launch-shape choice, as a GEMM's tile is: a row's arithmetic is
-    the same either way (tested: repeated key heads vs GQA give equal bits). Packed reads
-    each key block once for g heads; when that leaves fewer than a quarter of the SMs busy
-    (a decode step of a few sequences), one CTA per query head reads it g times from L2 but
-    keeps g times more SMs streaming the cache."""
-    if hq == hk:
-        return False
-    packed_ctas = b * hk * -(-sq * (hq // hk) // tile_m)
-    return packed_ctas * 4 >= torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _bshd(t: Tensor) -> Tensor:
     return t.transpose(1, 2)  # bhsd <-> bshd, a view
 
@@ -94,9 +81,7 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, kv_lengths: Optional[Tensor], cau
         _bshd(q), _bshd(k), _bshd(v), seqused_k=kv_lengths, softmax_scale=scale,
         causal=causal, tile_mn=(cfg.m_block_size, cfg.n_block_size),
         mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
-        num_splits=1, return_lse=True,
-        pack_gqa=pack_gqa(q.shape[0], q.shape[1], k.shape[1], q.shape[2], cfg.m_block_size,
-                          q.device))
+        num_splits=1, return_lse=True)
     return _bshd(out), lse
 
 
