@@ -145,63 +145,78 @@ def _bucket_keys(bucket, arch: str, which: str):
             yield {**call, "a_loads": True}, plan_key(with_a_loads(key))
 
 
+def _label(name: str, call: dict) -> str:
+    return (f"{name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
+            f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
+            + (" acc" if call.get("accumulate") else "")
+            + (" batched" if call.get("batched") else "")
+            + (" grouped" if call.get("grouped") else "")
+            + (" split(fp32)" if call.get("split") else "")
+            + (" direct-store" if call.get("c_direct") else "")
+            + (" tf32" if call["dtype"] == "tf32" else ""))
+
+
+def _selected(reg, bucket_names, family: str) -> list:
+    """The buckets of `reg` that `bucket_names` name (a base name of a bucket with
+    alternatives names all of them; None: every bucket); ValueError on an unknown name."""
+    from .cli_args import resolve_buckets
+
+    if not bucket_names:
+        return list(reg.buckets)
+    chosen = set(resolve_buckets(bucket_names, reg.buckets, family))
+    return [b for b in reg.buckets if b.name in chosen]
+
+
+def _rate(done: int, total: int, seconds: float) -> str:
+    """'[ 12/574, 2.1/s, ETA 4m33s]': count, kernels per second, time left."""
+    rate = done / seconds if seconds > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else 0.0
+    eta = f"{int(left // 60)}m{int(left % 60):02d}s" if done < total else "done"
+    return f"[{done:{len(str(total))}d}/{total}, {rate:.1f}/s, ETA {eta}]"
+
+
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
     """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
     'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
 
     `variants`: "core" (per bucket and dtype the layout its op uses: fwd with bias, dx with
     a [K, N] weight, dw to fp32 from zero and continuing a buffer; plus bf16 -> fp32 for
-    fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key shared by several buckets (same tile,
-    cluster, stages, persistence) is compiled once; its later buckets reuse the result."""
+    fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key
+    shared by several buckets (same tile, cluster, stages, persistence) is compiled once;
+    its later buckets reuse the result. Each line starts with the count, the rate and the
+    time left."""
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
     try:
         family = kcompile.family_of(arch)
+        buckets = _selected(registry.get_registry(family), bucket_names, family)
     except ValueError as e:
         out(f"compile: {e}")
         return 1
-    reg = registry.get_registry(family)
-    buckets = list(reg.buckets)
-    if bucket_names:
-        known = {b.name for b in buckets}
-        unknown = [n for n in bucket_names if n not in known]
-        if unknown:
-            out(f"compile: unknown bucket(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-            return 1
-        buckets = [b for b in buckets if b.name in bucket_names]
-    failures = total = 0
+    work = [(b, call, key) for b in buckets for call, key in _bucket_keys(b, arch, variants)]
+    failures = 0
     done: dict = {}  # KernelKey -> (bucket name, problems) of its first compile
     t_all = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for b in buckets:
-            for call, key in _bucket_keys(b, arch, variants):
-                label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
-                         f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
-                         + (" acc" if call.get("accumulate") else "")
-                         + (" batched" if call.get("batched") else "")
-                         + (" grouped" if call.get("grouped") else "")
-                         + (" split(fp32)" if call.get("split") else "")
-                         + (" direct-store" if call.get("c_direct") else "")
-                         + (" tf32" if call["dtype"] == "tf32" else ""))
-                t0 = time.time()
-                total += 1
-                if key in done:
-                    first, problems = done[key]
-                    failures += bool(problems)
-                    status = "OK" if not problems else "FAIL " + "; ".join(problems)
-                    out(f"{label}  {0.0:5.1f}s  {status} (same kernel as {first})")
-                    continue
+        for i, (b, call, key) in enumerate(work):
+            t0 = time.time()
+            if key in done:
+                first, problems = done[key]
+                note = f" (same kernel as {first})"
+            else:
                 try:
                     fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
                     problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
                 except Exception as e:  # report every bucket, not just the first failure
                     problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
                 done[key] = (b.name, problems)
-                status = "OK" if not problems else "FAIL " + "; ".join(problems)
-                failures += bool(problems)
-                out(f"{label}  {time.time() - t0:5.1f}s  {status}")
-    out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
+                note = ""
+            failures += bool(problems)
+            status = "OK" if not problems else "FAIL " + "; ".join(problems)
+            out(f"{_rate(i + 1, len(work), time.time() - t_all)} {_label(b.name, call)}  "
+                f"{time.time() - t0:5.1f}s  {status}{note}")
+    out(f"compile: {len(work) - failures}/{len(work)} kernels built and audited for {arch} "
         f"({len(done)} distinct, {len(buckets)} buckets, variants={variants}, "
         f"{time.time() - t_all:.0f}s)")
     return 0 if failures == 0 else 1
@@ -210,11 +225,20 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
 def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
                 variants: str = "core") -> list:
     """The distinct kernel keys that `warmup` builds: buckets of `ops` (default all),
-    dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all)."""
-    reg = registry.get_registry(kcompile.family_of(arch))
+    dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all; a base
+    name selects a bucket's alternatives). An unknown op, dtype or bucket, or a selection
+    with no kernel in it, raises ValueError."""
+    for what, given, known in (("ops", ops, registry.OPS), ("dtypes", dtypes, registry.DTYPES)):
+        bad = [v for v in given or () if v not in known]
+        if bad:
+            raise ValueError(f"warmup: unknown {what[:-1]} {bad[0]!r}; known: {', '.join(known)}")
+    if variants not in ("core", "all"):
+        raise ValueError(f"warmup: unknown variants {variants!r} (core or all)")
+    family = kcompile.family_of(arch)
+    reg = registry.get_registry(family)
     keys, seen = [], set()
-    for b in reg.buckets:
-        if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):
+    for b in _selected(reg, bucket_names, family):
+        if ops and b.op not in ops:
             continue
         for call, key in _bucket_keys(b, arch, variants):
             if dtypes and ("fp32" if call.get("split") else call["dtype"]) not in dtypes:
@@ -222,6 +246,12 @@ def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
             if key not in seen:
                 seen.add(key)
                 keys.append((b.name, key))
+    if not keys:
+        chosen = "; ".join(f"{k} {','.join(v)}" for k, v in (
+            ("ops", ops), ("dtypes", dtypes), ("buckets", bucket_names)) if v)
+        raise ValueError(f"warmup: no {family} kernel matches the selection ({chosen}); "
+                         f"`detgemm-cute audit --arch {family}` lists the buckets, their ops "
+                         f"and dtypes")
     return keys
 
 
