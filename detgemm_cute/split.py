@@ -77,6 +77,34 @@ def fp32_precision(precision: str):
         _local.precision = prev
 
 
+_warned_autocast = False
+
+
+def call_precision(precision: str, t, op: str):
+    """The context of a call's ``precision=`` argument. It chooses among fp32 chains, so it
+    applies to fp32 inputs only: 16-bit inputs (one chain, nothing to choose) raise
+    ValueError; fp32 inputs inside an autocast region run as the autocast dtype, where it has
+    no effect (a warning says so once per process). Non-tensors pass: the op's own checks
+    name them."""
+    global _warned_autocast
+    if precision not in PRECISIONS:
+        raise ValueError(f"{op}: precision must be one of {PRECISIONS}, got {precision!r}")
+    dtype = getattr(t, "dtype", None)
+    if dtype in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: precision={precision!r} chooses how fp32 inputs are computed; "
+                         f"these inputs are {dtype}, which have one chain: leave precision "
+                         f"unset")
+    if (dtype == torch.float32 and not _warned_autocast
+            and torch.is_autocast_enabled(t.device.type)):
+        _warned_autocast = True
+        import warnings
+
+        warnings.warn(f"{op}: precision={precision!r} has no effect inside torch.autocast, "
+                      f"which computes this fp32 call in "
+                      f"{torch.get_autocast_dtype(t.device.type)} (shown once)", stacklevel=3)
+    return fp32_precision(precision)
+
+
 def forward_precision(dtype: torch.dtype) -> str | None:
     """What an autograd op saves at forward time for its backward: this thread's precision
     for fp32 inputs, else None. (A backward may run on another thread -- autograd's device
