@@ -160,7 +160,9 @@ def run(args, out=print) -> int:
     for op in ops:
         lines += fit_op(records, op, args, out)
     if len(lines) == 2:
-        out("nothing to write")
+        print(f"detgemm-cute tune-fit: no op of --ops {args.ops} has candidates measured on "
+              f">= --min-points {args.min_points} problems in these records: nothing written",
+              file=sys.stderr)
         return 1
     Path(args.out).write_text("\n".join(lines) + "\n")
     registry.load_config(args.out, arch=args.arch)  # validates (ConfigError names the line)
