@@ -1,4 +1,4 @@
-"""Exact CPU reproduction of the GPU kernels' bits (the accumulation chain of DESIGN fact 7).
+"""Exact CPU reproduction of the GPU kernels' bits (their accumulation chain, docs/reference.md).
 
 Why it exists: the kernels' fp32 accumulator is a known function of the inputs, so a CPU can
 compute the very bits a GPU returns. That gives tests an oracle that needs no GPU, and users
@@ -51,7 +51,8 @@ _FP32_OVERFLOW = 2.0 ** 128
 
 @dataclass(frozen=True)
 class ChainModel:
-    """The edge cases DESIGN fact 7 left open, each a named choice (first value: default).
+    """The edge cases the chain's first measurements left open, each a named choice (first
+    value: default).
 
     The defaults are what an H100's WGMMA did (docs/reference.md, "Measured"); the other
     values exist so a probe can tell them apart on new hardware.

@@ -18,8 +18,8 @@ them:
     A row, per block: [-lo j0, -lo j1, -hi j0, -hi j1, hi j0, hi j1]
     B row, per block: [-hi j0, -hi j1, -lo j0, -lo j1, hi j0, hi j1]
 
-The kernel sums each block's six steps from +0.0 (a "chunk": the WGMMA chain of DESIGN fact
-7 over 96 values) and adds the chunk to an fp32 accumulator with one IEEE add. Then the
+The kernel sums each block's six steps from +0.0 (a "chunk": the WGMMA chain of `reference`,
+docs/reference.md, over 96 values) and adds the chunk to an fp32 accumulator with one IEEE add. Then the
 result is unscaled, ``(acc * (1 / s_a)[:, None]) * (1 / s_b)[None, :]`` -- exact unless the
 value lands below fp32's normal range -- the bias is added in fp32 and the sum rounded once
 to the output dtype. dW += continues from ``(acc * s_a) * s_b``. Scaling by powers of two
@@ -51,7 +51,7 @@ TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 # "ieee" (full precision): the schemes above and below. "tf32": no split at all: the kernel
 # reads the fp32 operands through TMA as TF32, which rounds each value to TF32 (10 fraction
 # bits, round to nearest, ties to even -- `tf32_round`), and TF32 WGMMA (k8 steps) runs the
-# chain of DESIGN fact 7 in 8-wide K blocks. dW stays "ieee" (its exact scheme keeps
+# chain of `reference` (docs/reference.md) in 8-wide K blocks. dW stays "ieee" (its exact scheme keeps
 # micro-batches one chain).
 
 PRECISIONS = ("ieee", "tf32")
