@@ -175,16 +175,55 @@ def _rate(done: int, total: int, seconds: float) -> str:
     return f"[{done:{len(str(total))}d}/{total}, {rate:.1f}/s, ETA {eta}]"
 
 
-def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
+def build_and_audit(key) -> tuple[list, float]:
+    """(problems, seconds): compile `key` keeping its PTX and audit it (in this process or a
+    worker of `compile_buckets`); a compile error is a problem, not an exception."""
+    t0 = time.time()
+    family = kcompile.family_of(key.arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
+            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
+        except Exception as e:  # report every bucket, not just the first failure
+            problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+    return problems, time.time() - t0
+
+
+def _built(keys, jobs: int):
+    """(key, problems, seconds) for every key, in completion order: here (jobs 1) or in
+    `jobs` worker processes (spawned, no GPU, one torch thread each)."""
+    if jobs <= 1:
+        for key in keys:
+            yield (key, *build_and_audit(key))
+        return
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from .parallel_compile import _init_worker
+
+    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                initializer=_init_worker, initargs=("off",)) as pool:
+        futures = {pool.submit(build_and_audit, key): key for key in keys}
+        try:
+            for f in cf.as_completed(futures):
+                yield (futures[f], *f.result())
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core",
+                    jobs: int = 1) -> int:
     """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
     'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
 
     `variants`: "core" (per bucket and dtype the layout its op uses: fwd with bias, dx with
     a [K, N] weight, dw to fp32 from zero and continuing a buffer; plus bf16 -> fp32 for
     fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key
-    shared by several buckets (same tile, cluster, stages, persistence) is compiled once;
-    its later buckets reuse the result. Each line starts with the count, the rate and the
-    time left."""
+    shared by several buckets (same tile, cluster, stages, persistence) is compiled once.
+    `jobs` > 1 compiles in that many processes. One line per kernel, in the order they
+    finish, each starting with the count, the rate and the time left."""
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
@@ -194,31 +233,25 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
     except ValueError as e:
         out(f"compile: {e}")
         return 1
-    work = [(b, call, key) for b in buckets for call, key in _bucket_keys(b, arch, variants)]
-    failures = 0
-    done: dict = {}  # KernelKey -> (bucket name, problems) of its first compile
+    users: dict = {}  # KernelKey -> [(bucket, call)] that compile to it, in table order
+    for b in buckets:
+        for call, key in _bucket_keys(b, arch, variants):
+            users.setdefault(key, []).append((b, call))
+    total = sum(len(v) for v in users.values())
+    failures = done = 0
     t_all = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (b, call, key) in enumerate(work):
-            t0 = time.time()
-            if key in done:
-                first, problems = done[key]
-                note = f" (same kernel as {first})"
-            else:
-                try:
-                    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-                    problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
-                except Exception as e:  # report every bucket, not just the first failure
-                    problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
-                done[key] = (b.name, problems)
-                note = ""
+    for key, problems, seconds in _built(list(users), jobs):
+        status = "OK" if not problems else "FAIL " + "; ".join(problems)
+        first = users[key][0][0].name
+        for i, (b, call) in enumerate(users[key]):
+            done += 1
             failures += bool(problems)
-            status = "OK" if not problems else "FAIL " + "; ".join(problems)
-            out(f"{_rate(i + 1, len(work), time.time() - t_all)} {_label(b.name, call)}  "
-                f"{time.time() - t0:5.1f}s  {status}{note}")
-    out(f"compile: {len(work) - failures}/{len(work)} kernels built and audited for {arch} "
-        f"({len(done)} distinct, {len(buckets)} buckets, variants={variants}, "
-        f"{time.time() - t_all:.0f}s)")
+            note = f" (same kernel as {first})" if i else ""
+            out(f"{_rate(done, total, time.time() - t_all)} {_label(b.name, call)}  "
+                f"{seconds if not i else 0.0:5.1f}s  {status}{note}")
+    out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
+        f"({len(users)} distinct, {len(buckets)} buckets, variants={variants}, "
+        f"{time.time() - t_all:.0f}s{f', {jobs} processes' if jobs > 1 else ''})")
     return 0 if failures == 0 else 1
 
 

@@ -51,7 +51,7 @@ def cmd_compile(args, out) -> int:
     names = _layers_and_buckets(args, arch.family)
     from .aot import compile_buckets
 
-    return compile_buckets(arch.target, names, out=out, variants=args.variants)
+    return compile_buckets(arch.target, names, out=out, variants=args.variants, jobs=args.jobs)
 
 
 def cmd_warmup(args, out) -> int:
@@ -177,6 +177,9 @@ def _add_compile(sub) -> None:
     c.add_argument("--variants", choices=("core", "all"), default="core",
                    help="core: one key per bucket and dtype plus bf16 [K,N]->fp32 (default); "
                         "all: every dtype x output x layout x bias combination")
+    c.add_argument("--jobs", type=positive_int, default=1,
+                   help="compile in this many processes (default 1; each takes a CPU core "
+                        "and about 1 GB of memory)")
     c.set_defaults(func=cmd_compile)
 
 

@@ -113,7 +113,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     calls = []
     fake = types.ModuleType("detgemm_cute.aot")
 
-    def compile_buckets(arch, bucket_names, out=print, variants="core"):
+    def compile_buckets(arch, bucket_names, out=print, variants="core", jobs=1):
         calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name))
         out("compiled")
         return 3
