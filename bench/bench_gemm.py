@@ -44,8 +44,9 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, prog=None):
     p = argparse.ArgumentParser(
+        prog=prog,
         description="detgemm_cute vs cuBLAS (default, PEDANTIC, cuBLASLt with split-K off): "
                     "speed, correctness, same bits, batch invariance, host overhead.")
     p.add_argument("--suite", choices=SUITE_CHOICES, default="core",
@@ -246,8 +247,9 @@ def run(args, ctx, meta) -> dict:
             "overhead": overhead}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog=None) -> int:
+    """`prog`: the command name usage lines show (`detgemm-cute bench` from the CLI)."""
+    args = parse_args(argv, prog)
     from detgemm_cute.benchlib.gpu import gpu_check
 
     why, arch = gpu_check()

@@ -234,8 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--tokens", type=int, default=8192, help="tokens for the layer table")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("bench_train: needs an SM90 GPU (H100/H200); nothing to measure here")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        print("bench_train: needs an SM90 GPU (H100/H200) or an SM80-family GPU (A100 and "
+              "newer); nothing to measure here")
         return 0
     device = torch.cuda.get_device_name()
     layers = layer_rows(args.tokens, LAYERS[:1] if args.quick else LAYERS,

@@ -8,13 +8,23 @@ result depends only on that row of the input and on the weight.
 
 from __future__ import annotations
 
-from . import nn
-from .attention import attention
-from .batched_ops import baddbmm, bmm, grouped_mm
-from .functional import addmm, bias_grad, input_grad, linear, mm, weight_grad
-from .gemm import force_bucket, use_family
-from .mode import batch_invariant_mode, disable, enable, report, reset_report
-from .split import fp32_precision
+import importlib.util as _importlib_util
+import warnings as _warnings
+
+if _importlib_util.find_spec("numpy") is None:
+    # Without numpy (it is optional here), importing torch warns "Failed to initialize
+    # NumPy" (torch/csrc/utils/tensor_numpy.cpp), and every `detgemm-cute` command would
+    # print it. Nothing here needs numpy: that one message is filtered, nothing else.
+    _warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy",
+                             category=UserWarning)
+
+from . import nn  # noqa: E402
+from .attention import attention  # noqa: E402
+from .batched_ops import baddbmm, bmm, grouped_mm  # noqa: E402
+from .functional import addmm, bias_grad, input_grad, linear, mm, weight_grad  # noqa: E402
+from .gemm import force_bucket, use_family  # noqa: E402
+from .mode import batch_invariant_mode, disable, enable, report, reset_report  # noqa: E402
+from .split import fp32_precision  # noqa: E402
 
 __version__ = "0.1.0"
 

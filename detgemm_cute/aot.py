@@ -145,76 +145,133 @@ def _bucket_keys(bucket, arch: str, which: str):
             yield {**call, "a_loads": True}, plan_key(with_a_loads(key))
 
 
-def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core") -> int:
+def _label(name: str, call: dict) -> str:
+    return (f"{name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
+            f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
+            + (" acc" if call.get("accumulate") else "")
+            + (" batched" if call.get("batched") else "")
+            + (" grouped" if call.get("grouped") else "")
+            + (" split(fp32)" if call.get("split") else "")
+            + (" direct-store" if call.get("c_direct") else "")
+            + (" tf32" if call["dtype"] == "tf32" else ""))
+
+
+def _selected(reg, bucket_names, family: str) -> list:
+    """The buckets of `reg` that `bucket_names` name (a base name of a bucket with
+    alternatives names all of them; None: every bucket); ValueError on an unknown name."""
+    from .cli_args import resolve_buckets
+
+    if not bucket_names:
+        return list(reg.buckets)
+    chosen = set(resolve_buckets(bucket_names, reg.buckets, family))
+    return [b for b in reg.buckets if b.name in chosen]
+
+
+def _rate(done: int, total: int, seconds: float) -> str:
+    """'[ 12/574, 2.1/s, ETA 4m33s]': count, kernels per second, time left."""
+    rate = done / seconds if seconds > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else 0.0
+    eta = f"{int(left // 60)}m{int(left % 60):02d}s" if done < total else "done"
+    return f"[{done:{len(str(total))}d}/{total}, {rate:.1f}/s, ETA {eta}]"
+
+
+def build_and_audit(key) -> tuple[list, float]:
+    """(problems, seconds): compile `key` keeping its PTX and audit it (in this process or a
+    worker of `compile_buckets`); a compile error is a problem, not an exception."""
+    t0 = time.time()
+    family = kcompile.family_of(key.arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
+            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
+        except Exception as e:  # report every bucket, not just the first failure
+            problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+    return problems, time.time() - t0
+
+
+def _built(keys, jobs: int):
+    """(key, problems, seconds) for every key, in completion order: here (jobs 1) or in
+    `jobs` worker processes (spawned, no GPU, one torch thread each)."""
+    if jobs <= 1:
+        for key in keys:
+            yield (key, *build_and_audit(key))
+        return
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from .parallel_compile import _init_worker
+
+    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                initializer=_init_worker, initargs=("off",)) as pool:
+        futures = {pool.submit(build_and_audit, key): key for key in keys}
+        try:
+            for f in cf.as_completed(futures):
+                yield (futures[f], *f.result())
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core",
+                    jobs: int = 1) -> int:
     """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
     'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
 
     `variants`: "core" (per bucket and dtype the layout its op uses: fwd with bias, dx with
     a [K, N] weight, dw to fp32 from zero and continuing a buffer; plus bf16 -> fp32 for
-    fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key shared by several buckets (same tile,
-    cluster, stages, persistence) is compiled once; its later buckets reuse the result."""
+    fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key
+    shared by several buckets (same tile, cluster, stages, persistence) is compiled once.
+    `jobs` > 1 compiles in that many processes. One line per kernel, in the order they
+    finish, each starting with the count, the rate and the time left."""
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
     try:
         family = kcompile.family_of(arch)
+        buckets = _selected(registry.get_registry(family), bucket_names, family)
     except ValueError as e:
         out(f"compile: {e}")
         return 1
-    reg = registry.get_registry(family)
-    buckets = list(reg.buckets)
-    if bucket_names:
-        known = {b.name for b in buckets}
-        unknown = [n for n in bucket_names if n not in known]
-        if unknown:
-            out(f"compile: unknown bucket(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-            return 1
-        buckets = [b for b in buckets if b.name in bucket_names]
-    failures = total = 0
-    done: dict = {}  # KernelKey -> (bucket name, problems) of its first compile
+    users: dict = {}  # KernelKey -> [(bucket, call)] that compile to it, in table order
+    for b in buckets:
+        for call, key in _bucket_keys(b, arch, variants):
+            users.setdefault(key, []).append((b, call))
+    total = sum(len(v) for v in users.values())
+    failures = done = 0
     t_all = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for b in buckets:
-            for call, key in _bucket_keys(b, arch, variants):
-                label = (f"{b.name:24s} {call['dtype']}->{call['out_dtype']} A{call['a_major']} "
-                         f"B{call['b_form']}/{call['b_contig']} bias={int(call['has_bias'])}"
-                         + (" acc" if call.get("accumulate") else "")
-                         + (" batched" if call.get("batched") else "")
-                         + (" grouped" if call.get("grouped") else "")
-                         + (" split(fp32)" if call.get("split") else "")
-                         + (" direct-store" if call.get("c_direct") else "")
-                         + (" tf32" if call["dtype"] == "tf32" else ""))
-                t0 = time.time()
-                total += 1
-                if key in done:
-                    first, problems = done[key]
-                    failures += bool(problems)
-                    status = "OK" if not problems else "FAIL " + "; ".join(problems)
-                    out(f"{label}  {0.0:5.1f}s  {status} (same kernel as {first})")
-                    continue
-                try:
-                    fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-                    problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
-                except Exception as e:  # report every bucket, not just the first failure
-                    problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
-                done[key] = (b.name, problems)
-                status = "OK" if not problems else "FAIL " + "; ".join(problems)
-                failures += bool(problems)
-                out(f"{label}  {time.time() - t0:5.1f}s  {status}")
+    for key, problems, seconds in _built(list(users), jobs):
+        status = "OK" if not problems else "FAIL " + "; ".join(problems)
+        first = users[key][0][0].name
+        for i, (b, call) in enumerate(users[key]):
+            done += 1
+            failures += bool(problems)
+            note = f" (same kernel as {first})" if i else ""
+            out(f"{_rate(done, total, time.time() - t_all)} {_label(b.name, call)}  "
+                f"{seconds if not i else 0.0:5.1f}s  {status}{note}")
     out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
-        f"({len(done)} distinct, {len(buckets)} buckets, variants={variants}, "
-        f"{time.time() - t_all:.0f}s)")
+        f"({len(users)} distinct, {len(buckets)} buckets, variants={variants}, "
+        f"{time.time() - t_all:.0f}s{f', {jobs} processes' if jobs > 1 else ''})")
     return 0 if failures == 0 else 1
 
 
 def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
                 variants: str = "core") -> list:
     """The distinct kernel keys that `warmup` builds: buckets of `ops` (default all),
-    dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all)."""
-    reg = registry.get_registry(kcompile.family_of(arch))
+    dtypes in `dtypes` (default the bucket's), names in `bucket_names` (default all; a base
+    name selects a bucket's alternatives). An unknown op, dtype or bucket, or a selection
+    with no kernel in it, raises ValueError."""
+    for what, given, known in (("ops", ops, registry.OPS), ("dtypes", dtypes, registry.DTYPES)):
+        bad = [v for v in given or () if v not in known]
+        if bad:
+            raise ValueError(f"warmup: unknown {what[:-1]} {bad[0]!r}; known: {', '.join(known)}")
+    if variants not in ("core", "all"):
+        raise ValueError(f"warmup: unknown variants {variants!r} (core or all)")
+    family = kcompile.family_of(arch)
+    reg = registry.get_registry(family)
     keys, seen = [], set()
-    for b in reg.buckets:
-        if (ops and b.op not in ops) or (bucket_names and b.name not in bucket_names):
+    for b in _selected(reg, bucket_names, family):
+        if ops and b.op not in ops:
             continue
         for call, key in _bucket_keys(b, arch, variants):
             if dtypes and ("fp32" if call.get("split") else call["dtype"]) not in dtypes:
@@ -222,6 +279,12 @@ def warmup_keys(arch: str = "sm_90a", ops=None, dtypes=None, bucket_names=None,
             if key not in seen:
                 seen.add(key)
                 keys.append((b.name, key))
+    if not keys:
+        chosen = "; ".join(f"{k} {','.join(v)}" for k, v in (
+            ("ops", ops), ("dtypes", dtypes), ("buckets", bucket_names)) if v)
+        raise ValueError(f"warmup: no {family} kernel matches the selection ({chosen}); "
+                         f"`detgemm-cute audit --arch {family}` lists the buckets, their ops "
+                         f"and dtypes")
     return keys
 
 

@@ -203,8 +203,11 @@ def _cpu_nans(t):
 
 
 def _on_cpu(a, b, bias, out_dtype):
-    """CPU tensors: the bit-exact reference, entry by entry."""
+    """CPU tensors: the bit-exact reference, entry by entry (a bad DETGEMM_CUTE_CONFIG is
+    reported as on a GPU)."""
     from . import reference
+
+    registry.user_configs()
 
     rows = [reference.mm(a[i], b[i], out_dtype=out_dtype) if bias is None
             else reference.addmm(bias, a[i], b[i], out_dtype=out_dtype)

@@ -111,7 +111,7 @@ def bmm(a: Tensor, b: Tensor, *, bias: Tensor | None = None,
     each entry's bits equal ``mm(a[l], b[l])``. Any batch stride, including 0 (broadcast).
     `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision."""
     if precision is not None:
-        with split.fp32_precision(split.checked_precision(precision, "detgemm_cute.bmm")):
+        with split.call_precision(precision, a, "detgemm_cute.bmm"):
             return bmm(a, b, bias=bias, out_dtype=out_dtype)
     if _direct((a, b, bias)) and not (isinstance(a, Tensor) and a.is_meta):
         return batched.checked_bmm(a, b, bias, out_dtype, "detgemm_cute.bmm", _NAMES)
@@ -216,7 +216,12 @@ def check_grouped_args(a, b, offs, out_dtype, op):
         check_bmm_args(a, b, None, out_dtype, op, _NAMES, check_device=False)
         return form
     if not isinstance(offs, Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
-        raise TypeError(f"{op}: offs must be a 1-D torch.int32 tensor of cumulative group ends")
+        got = (f"a {offs.dim()}-D {offs.dtype} tensor" if isinstance(offs, Tensor)
+               else type(offs).__name__)
+        raise TypeError(f"{op}: offs must be a 1-D torch.int32 tensor of cumulative group ends "
+                        f"(as torch._grouped_mm takes them), got {got}"
+                        + ("; use offs.to(torch.int32)" if isinstance(offs, Tensor)
+                           and offs.dim() == 1 and not offs.dtype.is_floating_point else ""))
     if form == "2-D x 3-D" and offs.shape[0] != b.shape[0]:
         raise ValueError(f"{op}: offs has {offs.shape[0]} entries but b has {b.shape[0]} groups")
     if offs.device != a.device:
@@ -355,7 +360,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *,
     `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision (the 2-D x 2-D
     weight-gradient form runs full precision at either, as dW does)."""
     if precision is not None:
-        with split.fp32_precision(split.checked_precision(precision, "detgemm_cute.grouped_mm")):
+        with split.call_precision(precision, a, "detgemm_cute.grouped_mm"):
             return grouped_mm(a, b, offs, out_dtype=out_dtype)
     if _direct((a, b, offs)) and not (isinstance(a, Tensor) and a.is_meta):
         return _grouped_impl(a, b, offs, out_dtype, "detgemm_cute.grouped_mm")

@@ -91,7 +91,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None
     `precision` ("ieee" | "tf32", fp32 inputs): this call's fp32 precision, as
     `fp32_precision` would set it (None: the thread's / torch's)."""
     if precision is not None:
-        with _split.fp32_precision(_split.checked_precision(precision, "detgemm_cute.mm")):
+        with _split.call_precision(precision, a, "detgemm_cute.mm"):
             return mm(a, b, out_dtype=out_dtype)
     if _via_op((a, b)):
         _op_args((a, b), _MM_NAMES, "detgemm_cute.mm")
@@ -109,7 +109,7 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     """``bias [N] + a [M, K] @ b [K, N]``; the bias is added in fp32 before the rounding.
     `precision` as for `mm`."""
     if precision is not None:
-        with _split.fp32_precision(_split.checked_precision(precision, "detgemm_cute.addmm")):
+        with _split.call_precision(precision, a, "detgemm_cute.addmm"):
             return addmm(bias, a, b, out_dtype=out_dtype)
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"detgemm_cute.addmm: bias must be a torch.Tensor, got "
@@ -130,7 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """Like ``F.linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` -> ``[..., N]``.
     `precision` as for `mm` (eager autograd runs the backward at it too)."""
     if precision is not None:
-        with _split.fp32_precision(_split.checked_precision(precision, "detgemm_cute.linear")):
+        with _split.call_precision(precision, x, "detgemm_cute.linear"):
             return linear(x, weight, bias, out_dtype=out_dtype)
     if _via_op((x, weight, bias)):
         _op_args((x, weight, bias), _LINEAR_NAMES, "detgemm_cute.linear")
@@ -166,7 +166,7 @@ def input_grad(grad_output: torch.Tensor, weight: torch.Tensor, *,
     """dX of ``linear``: ``grad_output [..., N] @ weight [N, K]`` -> ``[..., K]``.
     `precision` as for `mm`."""
     if precision is not None:
-        with _split.fp32_precision(_split.checked_precision(precision, "detgemm_cute.input_grad")):
+        with _split.call_precision(precision, grad_output, "detgemm_cute.input_grad"):
             return input_grad(grad_output, weight, out_dtype=out_dtype)
     ts = (grad_output, weight)
     if _grads_via_op(ts):

@@ -396,8 +396,12 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
 
 def _on_cpu(a, b, b_form, bias, out_dtype, acc=None, op="fwd"):
     """CPU tensors: the bit-exact reference of the SM90 chain (same bits, much slower).
-    `op` matters for fp32 inputs only: dW runs the fp32 tier's exact-parts scheme."""
+    `op` matters for fp32 inputs only: dW runs the fp32 tier's exact-parts scheme. The
+    user tables are read as a GPU call reads them, so a bad DETGEMM_CUTE_CONFIG is reported
+    here too (ConfigError)."""
     from . import reference
+
+    registry.user_configs()
 
     b_kn = b.t() if b_form == "nk" else b
     if a.dtype == torch.float32:

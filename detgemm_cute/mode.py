@@ -387,6 +387,9 @@ def enable(strict: bool = False, *, cpu: bool = False,
     without CUDA the mode enables and disables normally but routes nothing (one warning),
     unless `cpu=True`."""
     global _lib, _keys, _requested_keys
+    from . import registry
+
+    registry.user_configs()  # a bad DETGEMM_CUTE_CONFIG is reported here, on any device
     with _lock:
         keys = _requested(cpu, _dispatch_keys)
         if not _stack:

@@ -28,9 +28,10 @@ _autocast_on = torch._C._is_any_autocast_enabled
 
 class Linear(torch.nn.Linear):
     """`torch.nn.Linear` with deterministic, batch-invariant GEMMs (same parameters, same
-    `state_dict`). Inputs and parameters must be bf16 or fp16 (the same dtype), or run
-    inside ``torch.autocast`` (then fp32 parameters are cast to the autocast dtype for the
-    GEMMs, like torch.nn.Linear under autocast, and stay fp32 with fp32 gradients)."""
+    `state_dict`). Inputs and parameters are bf16, fp16 or fp32 (the same dtype; fp32 runs
+    the fp32 tier), or run inside ``torch.autocast`` (then fp32 parameters are cast to the
+    autocast dtype for the GEMMs, like torch.nn.Linear under autocast, and stay fp32 with
+    fp32 gradients). `repr` names it ``detgemm_cute.nn.Linear``."""
 
     # Set by `detgemm_cute.distributed` (fp32_grad_accum only): a callable taking (dY, X,
     # sync) that takes over this layer's dW / db work from backward; its ``owner`` is
@@ -76,6 +77,9 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", fp32_grad_accum=True" if self.fp32_grad_accum else "")
+
+    def _get_name(self) -> str:  # the name `repr(module)` shows: not torch's Linear
+        return "detgemm_cute.nn.Linear"
 
 
 def _any_grad(m: Linear) -> bool:
@@ -170,9 +174,16 @@ def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
     place). A model that is itself a Linear is returned converted. Subclasses of
     nn.Linear are left alone by default: modules such as MultiheadAttention read their
     weights directly and would bypass the swap."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"detgemm_cute.nn.convert: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+
     def swap(name, module):
         return type(module) is torch.nn.Linear and (filter is None or filter(name, module))
 
+    for name, module in model.named_modules():
+        if swap(name, module) or isinstance(module, Linear):
+            _check_dtype(name, module)
     if swap("", model):
         return Linear.from_linear(model, fp32_grad_accum=fp32_grad_accum)
     for name, parent in list(model.named_modules()):
@@ -184,6 +195,20 @@ def convert(model: torch.nn.Module, *, fp32_grad_accum: bool = False,
             elif isinstance(child, Linear):
                 child.fp32_grad_accum = fp32_grad_accum
     return model
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_dtype(name: str, module: torch.nn.Linear) -> None:
+    """convert() refuses a Linear whose parameters detgemm cannot compute with (float64,
+    integer, ...) now, rather than at its first forward."""
+    for pname, p in module.named_parameters(recurse=False):
+        if p.dtype not in _DTYPES:
+            raise ValueError(f"detgemm_cute.nn.convert: {name or 'model'}.{pname} is {p.dtype}; "
+                             f"detgemm Linears take bf16, fp16 or fp32 parameters (convert the "
+                             f"model with .to(dtype) first, or leave this layer out with "
+                             f"filter=)")
 
 
 def _accum_params(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
@@ -221,11 +246,21 @@ def finalize_grads(model: torch.nn.Module) -> None:
     """Set ``p.grad = p.main_grad.to(p.dtype)`` (the one rounding) for every parameter that
     accumulates in fp32; parameters whose buffer was never written are left unchanged.
     Deferred dW work of a data-parallel wrapper (`detgemm_cute.distributed`) runs first,
-    and writes the ``.grad`` of the parameters it handles itself."""
+    and writes the ``.grad`` of the parameters it handles itself. A model with no Linear
+    converted with ``fp32_grad_accum=True`` (and no such wrapper) raises RuntimeError: its
+    gradients are already in ``.grad`` and there is nothing to finalize."""
+    owners = _deferral_owners(model)
     handled = set()
-    for owner in _deferral_owners(model):
+    for owner in owners:
         handled |= owner.finalize()
-    for p in _accum_params(model):
+    params = list(_accum_params(model))
+    if not params and not owners:
+        raise RuntimeError(
+            "detgemm_cute.nn.finalize_grads: no detgemm Linear of this model accumulates in "
+            "fp32 (convert it with detgemm_cute.nn.convert(model, fp32_grad_accum=True)); "
+            "without fp32_grad_accum, backward already wrote .grad and there is nothing to "
+            "finalize")
+    for p in params:
         if id(p) in handled:
             continue
         buf = getattr(p, "main_grad", None)

@@ -1,4 +1,4 @@
-"""Exact CPU reproduction of the GPU kernels' bits (the accumulation chain of DESIGN fact 7).
+"""Exact CPU reproduction of the GPU kernels' bits (their accumulation chain, docs/reference.md).
 
 Why it exists: the kernels' fp32 accumulator is a known function of the inputs, so a CPU can
 compute the very bits a GPU returns. That gives tests an oracle that needs no GPU, and users
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +38,21 @@ BLOCK_K = 16
 TF32_BLOCK_K = 8
 # Product terms are truncated to multiples of 2^(E - ALIGN_BITS).
 ALIGN_BITS = 25
-# Elements of one [rows, cols, 16] working tensor: bounds memory, stays near cache size.
-_TILE_ELEMS = 1 << 18
+# Elements of one [rows, cols, 16] working tensor. At most torch's grain size (32768), so
+# each op of a tile runs inline in its thread: the tiles run on a pool of
+# torch.get_num_threads() Python threads instead of every small op opening an OpenMP
+# parallel region. Those regions wait for every thread at each op; on a busy machine one
+# descheduled thread stalls them all (37 x 4096 x 11008 took 322 s with 2 OpenMP threads
+# on a loaded 2-core machine, 20 s with one).
+_TILE_ELEMS = 1 << 15
 _FP32_TINY = 2.0 ** -126
 _FP32_OVERFLOW = 2.0 ** 128
 
 
 @dataclass(frozen=True)
 class ChainModel:
-    """The edge cases DESIGN fact 7 left open, each a named choice (first value: default).
+    """The edge cases the chain's first measurements left open, each a named choice (first
+    value: default).
 
     The defaults are what an H100's WGMMA did (docs/reference.md, "Measured"); the other
     values exist so a probe can tell them apart on new hardware.
@@ -268,6 +275,24 @@ def _no_specials(v):
             "pos_fin": v > 0, "neg_fin": v < 0}
 
 
+def _each_tile(m: int, n: int, depth: int, run) -> None:
+    """run(r0, r1, c0, c1) for every output tile of at most _TILE_ELEMS / depth outputs
+    (`depth`: the working tensors' last dimensions), on torch.get_num_threads() threads.
+    Each tile writes only its own outputs, so the order changes no bit."""
+    cols = min(n, max(1, _TILE_ELEMS // depth))
+    rows = max(1, _TILE_ELEMS // (cols * depth))
+    tiles = [(r0, min(m, r0 + rows), c0, min(n, c0 + cols))
+             for r0 in range(0, m, rows) for c0 in range(0, n, cols)]
+    workers = min(len(tiles), torch.get_num_threads())
+    if workers <= 1:
+        for t in tiles:
+            run(*t)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="detgemm-reference") as pool:
+        for f in [pool.submit(run, *t) for t in tiles]:
+            f.result()  # re-raises a tile's exception here
+
+
 def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
            model: ChainModel, block: int = BLOCK_K) -> torch.Tensor:
     """fp32 accumulators of a [M, K] @ b_nk[N, K]^T, starting from acc (or +0), in
@@ -294,23 +319,21 @@ def _chain(a: torch.Tensor, b_nk: torch.Tensor, acc: torch.Tensor | None,
         b_nf = _nonfinite_blocks(b_masks, b_v)
     seen = (torch.zeros((m, n), dtype=torch.bool) if acc_special is None
             else ~torch.isfinite(acc_special))
-    cols = min(n, max(1, _TILE_ELEMS // block))
-    rows = max(1, _TILE_ELEMS // (cols * block))
     ovf_pos = torch.zeros((m, n), dtype=torch.bool)
     ovf_neg = torch.zeros((m, n), dtype=torch.bool)
-    for r0 in range(0, m, rows):
-        r1 = min(m, r0 + rows)
-        for c0 in range(0, n, cols):
-            c1 = min(n, c0 + cols)
-            res, op, on = _chain_tile(
-                a_v[:, r0:r1], a_n[:, r0:r1], b_v[:, c0:c1], b_n[:, c0:c1],
-                out[r0:r1, c0:c1], model, seen[r0:r1, c0:c1],
-                None if a_nf is None else a_nf[:, r0:r1],
-                None if b_nf is None else b_nf[:, c0:c1])
-            out[r0:r1, c0:c1] = res
-            if op is not None:
-                ovf_pos[r0:r1, c0:c1] |= op
-                ovf_neg[r0:r1, c0:c1] |= on
+
+    def tile(r0, r1, c0, c1):
+        res, op, on = _chain_tile(
+            a_v[:, r0:r1], a_n[:, r0:r1], b_v[:, c0:c1], b_n[:, c0:c1],
+            out[r0:r1, c0:c1], model, seen[r0:r1, c0:c1],
+            None if a_nf is None else a_nf[:, r0:r1],
+            None if b_nf is None else b_nf[:, c0:c1])
+        out[r0:r1, c0:c1] = res
+        if op is not None:
+            ovf_pos[r0:r1, c0:c1] |= op
+            ovf_neg[r0:r1, c0:c1] |= on
+
+    _each_tile(m, n, block, tile)
     if a_masks is None and b_masks is None and acc_special is None and not bool(
             (ovf_pos | ovf_neg).any()):
         return out
@@ -366,21 +389,19 @@ def _chunked(a2, b2, out, model):
     a_v, a_n = (t.view(-1, steps, m, BLOCK_K).transpose(0, 1) for t in _blocks(a_val, a_n))
     b_v, b_n = (t.view(-1, steps, n, BLOCK_K).transpose(0, 1) for t in _blocks(b_val, b_n))
     chunks = a_v.shape[1]
-    cols = min(n, max(1, _TILE_ELEMS // (BLOCK_K * chunks)))
-    rows = max(1, _TILE_ELEMS // (cols * BLOCK_K * chunks))
-    for r0 in range(0, m, rows):
-        r1 = min(m, r0 + rows)
-        for c0 in range(0, n, cols):
-            c1 = min(n, c0 + cols)
-            scratch = _scratch(chunks, r1 - r0, c1 - c0)
-            part = torch.zeros((chunks, r1 - r0, c1 - c0), dtype=torch.float32)
-            for st in range(steps):
-                part = _block_step(a_v[st, :, r0:r1], a_n[st, :, r0:r1], b_v[st, :, c0:c1],
-                                   b_n[st, :, c0:c1], part, model, *scratch)
-            total = out[r0:r1, c0:c1]
-            for c in range(chunks):
-                total = total + part[c]  # IEEE fp32, round to nearest even
-            out[r0:r1, c0:c1] = total
+
+    def tile(r0, r1, c0, c1):
+        scratch = _scratch(chunks, r1 - r0, c1 - c0)
+        part = torch.zeros((chunks, r1 - r0, c1 - c0), dtype=torch.float32)
+        for st in range(steps):
+            part = _block_step(a_v[st, :, r0:r1], a_n[st, :, r0:r1], b_v[st, :, c0:c1],
+                               b_n[st, :, c0:c1], part, model, *scratch)
+        total = out[r0:r1, c0:c1]
+        for c in range(chunks):
+            total = total + part[c]  # IEEE fp32, round to nearest even
+        out[r0:r1, c0:c1] = total
+
+    _each_tile(m, n, BLOCK_K * chunks, tile)
     if a_masks is not None or b_masks is not None:
         # NaN/Inf part products: an Inf or NaN input has NaN lower parts.
         a_masks = a_masks if a_masks is not None else _no_specials(a_val)

@@ -18,8 +18,8 @@ them:
     A row, per block: [-lo j0, -lo j1, -hi j0, -hi j1, hi j0, hi j1]
     B row, per block: [-hi j0, -hi j1, -lo j0, -lo j1, hi j0, hi j1]
 
-The kernel sums each block's six steps from +0.0 (a "chunk": the WGMMA chain of DESIGN fact
-7 over 96 values) and adds the chunk to an fp32 accumulator with one IEEE add. Then the
+The kernel sums each block's six steps from +0.0 (a "chunk": the WGMMA chain of `reference`,
+docs/reference.md, over 96 values) and adds the chunk to an fp32 accumulator with one IEEE add. Then the
 result is unscaled, ``(acc * (1 / s_a)[:, None]) * (1 / s_b)[None, :]`` -- exact unless the
 value lands below fp32's normal range -- the bias is added in fp32 and the sum rounded once
 to the output dtype. dW += continues from ``(acc * s_a) * s_b``. Scaling by powers of two
@@ -53,7 +53,7 @@ TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 # "ieee" (full precision): the schemes above and below. "tf32": no split at all: the kernel
 # reads the fp32 operands through TMA as TF32, which rounds each value to TF32 (10 fraction
 # bits, round to nearest, ties to even -- `tf32_round`), and TF32 WGMMA (k8 steps) runs the
-# chain of DESIGN fact 7 in 8-wide K blocks. dW stays "ieee" (its exact scheme keeps
+# chain of `reference` (docs/reference.md) in 8-wide K blocks. dW stays "ieee" (its exact scheme keeps
 # micro-batches one chain).
 
 PRECISIONS = ("ieee", "tf32")
@@ -88,6 +88,33 @@ def checked_precision(precision, op: str, none_ok: bool = True):
         raise TypeError(f"{op}: precision must be {allowed}, got {type(precision).__name__} "
                         f"{precision!r}")
     raise ValueError(f"{op}: precision must be {allowed}, got {precision!r}")
+
+
+_warned_autocast = False
+
+
+def call_precision(precision: str, t, op: str):
+    """The context of a call's ``precision=`` argument. It chooses among fp32 chains, so it
+    applies to fp32 inputs only: 16-bit inputs (one chain, nothing to choose) raise
+    ValueError; fp32 inputs inside an autocast region run as the autocast dtype, where it has
+    no effect (a warning says so once per process). Non-tensors pass: the op's own checks
+    name them."""
+    global _warned_autocast
+    checked_precision(precision, op, none_ok=False)
+    dtype = getattr(t, "dtype", None)
+    if dtype in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: precision={precision!r} chooses how fp32 inputs are computed; "
+                         f"these inputs are {dtype}, which have one chain: leave precision "
+                         f"unset")
+    if (dtype == torch.float32 and not _warned_autocast
+            and torch.is_autocast_enabled(t.device.type)):
+        _warned_autocast = True
+        import warnings
+
+        warnings.warn(f"{op}: precision={precision!r} has no effect inside torch.autocast, "
+                      f"which computes this fp32 call in "
+                      f"{torch.get_autocast_dtype(t.device.type)} (shown once)", stacklevel=3)
+    return fp32_precision(precision)
 
 
 def forward_precision(dtype: torch.dtype) -> str | None:

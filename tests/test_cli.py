@@ -79,13 +79,13 @@ def test_explain_with_config_shows_shadowed(capsys):
     assert R.get_registry("sm90").lookup("fwd", "bf16", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["explain", "--arch", "sm80", "1", "2", "0"], "K must be an integer >= 1"),
-    (["explain", "--arch", "sm75", "1", "2", "3"], "unknown arch 'sm75'"),
-    (["explain", "0", "2", "3"], "M must be an integer >= 1"),
+@pytest.mark.parametrize("argv, words, code", [
+    (["explain", "--arch", "sm80", "1", "2", "0"], "K must be an integer >= 1", 1),
+    (["explain", "--arch", "sm75", "1", "2", "3"], "unknown arch 'sm75'", 2),
+    (["explain", "0", "2", "3"], "M must be an integer >= 1", 1),
 ])
-def test_explain_errors_are_one_line_messages(capsys, argv, words):
-    assert cli.main(argv) == 1
+def test_explain_errors_are_one_line_messages(capsys, argv, words, code):
+    assert cli.main(argv) == code
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
 
@@ -113,7 +113,7 @@ def test_compile_hands_off_to_aot(monkeypatch):
     calls = []
     fake = types.ModuleType("detgemm_cute.aot")
 
-    def compile_buckets(arch, bucket_names, out=print, variants="core"):
+    def compile_buckets(arch, bucket_names, out=print, variants="core", jobs=1):
         calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name))
         out("compiled")
         return 3
@@ -121,9 +121,14 @@ def test_compile_hands_off_to_aot(monkeypatch):
     fake.compile_buckets = compile_buckets
     monkeypatch.setitem(sys.modules, "detgemm_cute.aot", fake)
     assert cli.main(["compile"]) == 3
-    assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "a", "--bucket", "b",
-                     "--config", str(FIXTURES / "user_small_m.yaml")]) == 3
-    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2112"), ("sm_90a", ["a", "b"], "my_decode")]
+    assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "my_decode", "--bucket",
+                     "fwd_decode_m1_16_n1_2112", "--config",
+                     str(FIXTURES / "user_small_m.yaml")]) == 3
+    # Names come back in table order; any arch spelling of a family builds its target.
+    assert cli.main(["compile", "--arch", "sm_80"]) == 3
+    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2112"),
+                     ("sm_90a", ["fwd_decode_m1_16_n1_2112", "my_decode"], "my_decode"),
+                     ("sm_80", None, "my_decode")]
 
 
 def test_compile_with_a_broken_config(capsys):
@@ -138,14 +143,17 @@ def test_demo_hands_off(monkeypatch):
     monkeypatch.setitem(sys.modules, "detgemm_cute.demo", fake)
     assert cli.main(["demo"]) == 0
     assert cli.main(["demo", "--quick"]) == 0
-    assert seen == [[], ["--quick"]]
+    assert cli.main(["demo", "--audit"]) == 0
+    assert seen == [[], ["--quick"], ["--audit"]]
 
 
-def test_bench_runs_the_source_tree_script(monkeypatch, tmp_path):
+def test_bench_runs_the_source_tree_script(monkeypatch, tmp_path, capsys):
     script = tmp_path / "bench_gemm.py"
-    script.write_text("def main(argv=None):\n    print('bench', argv)\n    return 5\n")
+    script.write_text("def main(argv=None, prog=None):\n    print('bench', prog, argv)\n"
+                      "    return 5\n")
     monkeypatch.setattr(cli, "_BENCH", script)
     assert cli.main(["bench", "--quick", "--dtype", "fp16"]) == 5
+    assert "bench detgemm-cute bench ['--quick', '--dtype', 'fp16']" in capsys.readouterr().out
 
 
 def test_bench_without_source_tree(monkeypatch, tmp_path, capsys):

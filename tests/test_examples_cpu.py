@@ -1,6 +1,6 @@
 """The training example and the training bench on a CPU-only machine: they import, parse
-their arguments, and say clearly that the kernels need an SM90 GPU (exit 0, or 1 when told
-a GPU is required). The example's model and training loop also run on CPU tensors, where
+their arguments, and say clearly that the kernels need an SM90 or SM80-family GPU (exit 0, or
+1 when told a GPU is required). The example's model and training loop also run on CPU tensors, where
 detgemm's Linears compute the reference's bits, so its checks are exercised here too."""
 
 import importlib.util
@@ -30,10 +30,10 @@ def test_help_parses(rel, capsys):
 def test_without_a_gpu_they_say_so(capsys):
     ex = load("examples/train_deterministic.py")
     assert ex.main([]) == 0
-    assert "need an SM90 GPU" in capsys.readouterr().out
+    assert "need an SM90 GPU (H100/H200) or an SM80-family GPU" in capsys.readouterr().out
     assert ex.main(["--require-gpu"]) == 1
     assert load("bench/bench_train.py").main(["--quick"]) == 0
-    assert "needs an SM90 GPU" in capsys.readouterr().out
+    assert "needs an SM90 GPU (H100/H200) or an SM80-family GPU" in capsys.readouterr().out
 
 
 def test_example_model_is_batch_invariant_by_construction():

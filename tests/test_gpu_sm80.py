@@ -227,7 +227,7 @@ def test_rows_do_not_depend_on_m(tile):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bits_match_the_cpu_chain_model(dtype):
-    """The CPU model of the ascending 16-wide chain (`reference`, DESIGN fact 7) predicts
+    """The CPU model of the ascending 16-wide chain (`reference`, docs/reference.md) predicts
     the SM80 kernel's bits, bias and rounding included."""
     fn = kernel("sm80", *TILE80, dtype, dtype, "k", "nk", "last", True)
     fn32 = kernel("sm80", *TILE80, dtype, torch.float32, "k", "nk", "last", False)

@@ -126,7 +126,8 @@ def test_linear_matches_reference(dtype, out_dtype):
 
 # ---------------------------------------------------------------------------------------
 # The same comparison against a plain Triton WGMMA GEMM: checks the model against the
-# hardware independently of detgemm's own kernels (DESIGN fact 2: same chain).
+# hardware independently of detgemm's own kernels (Triton's tl.dot without split-K runs the
+# same chain on the H100: docs/reference.md).
 
 try:
     import triton

@@ -26,6 +26,7 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..benchlib import suites
+    from ..cli_args import at_least, family_type, positive_int
 
     src = p.add_argument_group("problems")
     src.add_argument("--preset", choices=suites.SUITES, nargs="+",
@@ -36,16 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--shapes-file", metavar="FILE", help="'MxKxN [label]' per line")
     src.add_argument("--ops", help="comma-separated fwd,dx,dw (default: the preset's, or fwd)")
     src.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    src.add_argument("--every", type=int, default=1, help="keep every N-th problem")
-    src.add_argument("--limit", type=int, default=None, help="keep at most N problems")
+    src.add_argument("--every", type=positive_int, default=1, help="keep every N-th problem")
+    src.add_argument("--limit", type=at_least(int, 0), default=None, help="keep at most N problems")
     src.add_argument("--in-order", action="store_true",
                      help="time problems in suite order (default: a fixed shuffle, so a "
                           "time-boxed run still spreads over the suite)")
     src.add_argument("--seed", type=int, default=0)
     c = p.add_argument_group("candidates")
-    c.add_argument("--max-candidates", type=int, default=16,
+    c.add_argument("--max-candidates", type=positive_int, default=16,
                    help="candidates per problem, the table's current bucket included")
-    c.add_argument("--max-tiles", type=int, default=5, help="tile shapes per problem")
+    c.add_argument("--max-tiles", type=positive_int, default=5, help="tile shapes per problem")
     c.add_argument("--option", action="append", default=[], metavar="KEY=V1,V2",
                    help="an extra bucket key to try (first value = default), repeatable")
     c.add_argument("--skip-candidate", action="append", default=[], metavar="TEXT",
@@ -61,36 +62,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the table's bucket has alternatives, time every one of them "
                         "too (the data `detgemm_cute.tune.choice` fits their costs to)")
     r = p.add_argument_group("run")
-    r.add_argument("--jobs", type=int, default=None,
+    r.add_argument("--jobs", type=positive_int, default=None,
                    help="compile processes (default: CPU cores - 2; 1 = compile in-process)")
     r.add_argument("--aot-dir", metavar="DIR",
                    help="kernel library cache (default: the AOT cache; a temporary directory "
                         "when the cache is off)")
-    r.add_argument("--max-seconds", type=float, default=None,
+    r.add_argument("--max-seconds", type=at_least(float, 0.0), default=None,
                    help="stop timing new problems after this many seconds (then write)")
     r.add_argument("--resume", metavar="FILE",
                    help="JSON lines of measured problems: read first (those done are "
                         "skipped), appended as the run goes")
     r.add_argument("--dry-run", action="store_true",
                    help="list problems, candidates and kernel counts; no GPU needed")
-    r.add_argument("--arch", choices=("sm90", "sm80"),
-                   help="kernel family for --dry-run (default: sm90)")
-    r.add_argument("--sms", type=int, default=None, help="SM count for --dry-run (default 132)")
+    r.add_argument("--arch", type=family_type,
+                   help="kernel family for --dry-run: sm90 (also sm_90, sm_90a) or sm80 (also "
+                        "sm_80); default sm90 (a GPU run uses the GPU's family)")
+    r.add_argument("--sms", type=positive_int, default=None, help="SM count for --dry-run (default 132)")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE.yaml", help="the tuned layer (default: "
                    "tuned_<device>_<dtype>.yaml; with --check only when given)")
     o.add_argument("--json", metavar="FILE", help="every measurement, the tables, summaries")
     o.add_argument("--bucket-dtypes", help="dtypes the written buckets serve "
                                            "(default: --dtype), e.g. bf16,fp16")
-    o.add_argument("--tolerance", type=float, default=0.02,
+    o.add_argument("--tolerance", type=at_least(float, 0.0), default=0.02,
                    help="split a bucket only where its choice is more than this much slower "
                         "than a problem's best (default 0.02)")
-    o.add_argument("--max-buckets", type=int, default=12, help="buckets per op, at most")
+    o.add_argument("--max-buckets", type=positive_int, default=12, help="buckets per op, at most")
     o.add_argument("--check", metavar="FILE.yaml",
                    help="time the buckets of this table (layered on the built-in one) as the "
                         "incumbents and report problems a candidate beats by > "
                         "--check-threshold")
-    o.add_argument("--check-threshold", type=float, default=5.0, help="percent (default 5)")
+    o.add_argument("--check-threshold", type=at_least(float, 0.0), default=5.0, help="percent (default 5)")
 
 
 def log(msg: str) -> None:
@@ -211,9 +213,18 @@ def run(args, out=print) -> int:
 
     try:
         problems = select_problems(args)
-    except (ValueError, OSError) as e:
-        _err(str(e))
+    except FileNotFoundError as e:
+        _err(f"tune: {e.filename}: no such file")
         return 1
+    except (ValueError, OSError) as e:
+        _err(str(e) if str(e).startswith("tune:") else f"tune: {e}")
+        return 1
+    dry_only = [f"--{n}" for n in ("arch", "sms") if getattr(args, n) is not None]
+    if dry_only and not args.dry_run:
+        verb = "apply" if len(dry_only) > 1 else "applies"
+        _err(f"tune: {' and '.join(dry_only)} {verb} to --dry-run only (a GPU run uses the "
+             f"GPU's kernel family and SM count)")
+        return 2
     jobs = args.jobs if args.jobs is not None else default_jobs()
     dtype_name = args.dtype
     if args.dry_run:
@@ -236,7 +247,7 @@ def run(args, out=print) -> int:
         reg = incumbent_registry(arch, args.check)
         plan = plan_candidates(problems, arch, dtype_name, sms, args, reg)
     except (registry.ConfigError, registry.NoBucketError, ValueError) as e:
-        _err(str(e))
+        _err(f"tune: {e}")
         return 1
     from . import layer
 

@@ -42,10 +42,7 @@ def read_records(paths) -> list[dict]:
     shape: the resume file's key) merged."""
     merged: dict = {}
     for path in paths:
-        opener = OPENERS.get(Path(path).suffix, open)
-        with opener(path, "rt") as f:
-            doc = json.load(f)
-        for rec in doc.get("records") or []:
+        for rec in _file_records(path):
             key = record_key(rec)
             if key in merged:
                 merged[key]["cands"].update(rec.get("cands") or {})
@@ -54,6 +51,23 @@ def read_records(paths) -> list[dict]:
                 merged[key] = dict(rec, cands=dict(rec.get("cands") or {}),
                                    fields=dict(rec.get("fields") or {}))
     return list(merged.values())
+
+
+def _file_records(path) -> list:
+    """The records of one `tune --json` file; ValueError naming the file when it is not one."""
+    opener = OPENERS.get(Path(path).suffix, open)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, EOFError, lzma.LZMAError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise ValueError(f"tune-fit: {path}: not a JSON file of `detgemm-cute tune --json` "
+                         f"({why})") from None
+    records = doc.get("records") if isinstance(doc, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"tune-fit: {path}: no list of tune records under 'records' (written "
+                         f"by `detgemm-cute tune --json FILE`?)")
+    return records
 
 
 def kept_alternatives(path, op: str) -> list[str]:
@@ -101,21 +115,25 @@ def fit_op(records, op: str, args, out) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli_args import family_type, positive_int
+
     p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz or .xz ok)")
     p.add_argument("--ops", default="fwd,dx,dw")
     p.add_argument("--m-min", type=int, default=1, help="the buckets serve GEMM M >= this")
     p.add_argument("--m-max", type=int, default=None, help="... and M <= this (default: any)")
     p.add_argument("--n-min", type=int, default=1, help="... and GEMM N >= this")
     p.add_argument("--n-max", type=int, default=None, help="... and N <= this (default: any)")
-    p.add_argument("--sms", type=int, default=132, help="SM count of the GPU measured on")
-    p.add_argument("--max-alternatives", type=int, default=12)
-    p.add_argument("--min-points", type=int, default=8,
+    p.add_argument("--sms", type=positive_int, default=132, help="SM count of the GPU measured on")
+    p.add_argument("--max-alternatives", type=positive_int, default=12)
+    p.add_argument("--min-points", type=positive_int, default=8,
                    help="fit only candidates measured on at least this many problems")
     p.add_argument("--keep", metavar="LAYER.yaml",
                    help="refit the alternatives of this layer's buckets (no new selection)")
     p.add_argument("--name", default="alternatives", help="bucket names: <op>_<name>")
     p.add_argument("--bucket-dtypes", default="bf16,fp16")
-    p.add_argument("--arch", default="sm90", choices=("sm90", "sm80"))
+    p.add_argument("--arch", default="sm90", type=family_type,
+                   help="kernel family of the layer: sm90 (also sm_90, sm_90a) or sm80 (also "
+                        "sm_80); default sm90")
     p.add_argument("--out", required=True, metavar="FILE.yaml")
 
 
@@ -145,7 +163,9 @@ def run(args, out=print) -> int:
     for op in ops:
         lines += fit_op(records, op, args, out)
     if len(lines) == 2:
-        out("nothing to write")
+        print(f"detgemm-cute tune-fit: no op of --ops {args.ops} has candidates measured on "
+              f">= --min-points {args.min_points} problems in these records: nothing written",
+              file=sys.stderr)
         return 1
     Path(args.out).write_text("\n".join(lines) + "\n")
     registry.load_config(args.out, arch=args.arch)  # validates (ConfigError names the line)

@@ -1,5 +1,6 @@
-"""A small progress bar on stderr: redrawn in place on a terminal, a line every ~5 % (and at
-least every 30 s) otherwise, so captured logs stay readable."""
+"""A small progress bar on stderr (count, elapsed time, rate, time left): redrawn in place on
+a terminal, a line every ~5 % (and at least every 30 s) otherwise, so captured logs stay
+readable."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class Progress:
         elapsed = time.time() - self.t0
         eta = elapsed / done * (self.total - done) if done else None
         eta_s = f", ETA {eta:.0f}s" if eta is not None and done < self.total else ""
+        rate = f", {done / elapsed:.1f}/s" if done and elapsed > 0 else ""
         return (f"[{'#' * fill}{'.' * (self.width - fill)}] {done}/{self.total} {self.what} "
-                f"{elapsed:.0f}s{eta_s} {label}").rstrip()
+                f"{elapsed:.0f}s{rate}{eta_s} {label}").rstrip()
 
     def update(self, done: int, label: str = "") -> None:
         pct = 100.0 * done / self.total if self.total else 100.0
