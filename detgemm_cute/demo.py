@@ -158,6 +158,15 @@ def _audit() -> int:
     return rc
 
 
+def _tables_ok() -> bool:
+    """Every kernel family's table loads (an installation without its tables fails here,
+    before any promise is checked, even where only the CPU reference would run)."""
+    from detgemm_cute import tables
+
+    rc = tables.audit(None, (), lambda *_: None, _err)
+    return rc == 0
+
+
 def _err(msg: str) -> None:
     for line in msg.splitlines():
         print(f"detgemm-cute: {line}", file=sys.stderr)
@@ -169,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--audit", action="store_true",
                    help="also print the full audit of the dispatch tables")
     args = p.parse_args(argv or [])
+    if not _tables_ok():
+        return 1
     print(PROMISE)
     if _gpu_ok():
         from detgemm_cute.gemm import arch_of

@@ -100,7 +100,7 @@ def call_precision(precision: str, t, op: str):
     no effect (a warning says so once per process). Non-tensors pass: the op's own checks
     name them."""
     global _warned_autocast
-    checked_precision(precision, op, none_ok=False)
+    checked_precision(precision, op)
     dtype = getattr(t, "dtype", None)
     if dtype in (torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: precision={precision!r} chooses how fp32 inputs are computed; "

@@ -175,12 +175,13 @@ def test_bad_precision_is_refused_by_name(op, dtype, bad, exc):
 
 
 @pytest.mark.parametrize("op", sorted(PRECISION_OPS))
-def test_precision_on_16_bit_inputs_changes_nothing(op):
-    """The precision picks the fp32 tier's chain; bf16 inputs have one chain."""
+def test_precision_on_16_bit_inputs_is_refused(op):
+    """The precision picks the fp32 tier's chain; bf16 inputs have one chain, so an explicit
+    precision cannot apply and is refused by name rather than ignored."""
     x, w = rand(M, K), rand(N, K)
-    base = PRECISION_OPS[op](x, w, None)
     for p in ("ieee", "tf32"):
-        assert reference.same_bits(PRECISION_OPS[op](x, w, p), base)
+        with pytest.raises(ValueError, match=rf"precision='{p}' chooses how fp32 inputs"):
+            PRECISION_OPS[op](x, w, p)
 
 
 def test_precision_on_fp32_inputs_is_the_chosen_chain():
