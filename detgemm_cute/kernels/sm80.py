@@ -280,7 +280,7 @@ class Sm80Gemm:
         rows_a_full = (tile_m + 1) * bm <= m_total
         rows_b_full = (tile_n + 1) * bn <= cute.size(mB, mode=[0])
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sA = storage.a.get_tensor(sA_layout, swizzle=sA_swizzle)  # (BM, BK, stages)
         sB = storage.b.get_tensor(sB_layout, swizzle=sB_swizzle)  # (BN, BK, stages)
 
