@@ -46,9 +46,15 @@ def unavailable_reason(q: Tensor, head_dim: int, head_dim_v: int) -> Optional[st
     """Why the flash engine cannot run this call (None when it can)."""
     if q.device.type != "cuda":
         return f"{q.device.type} tensors (the flash engine is CUDA only)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"{q.dtype} inputs (the flash engine takes bf16/fp16)"
-    major, _ = torch.cuda.get_device_capability(q.device)
+    return _cuda_reason(q.device.index, q.dtype, head_dim, head_dim_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_reason(index: int, dtype: torch.dtype, head_dim: int, head_dim_v: int):
+    """`unavailable_reason` for a CUDA device, once per (device, dtype, head dims)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} inputs (the flash engine takes bf16/fp16)"
+    major, _ = torch.cuda.get_device_capability(index)
     if major != 9:
         return (f"compute capability {major}.x (the flash engine's invariance is measured on "
                 f"SM90 only)")
@@ -57,8 +63,7 @@ def unavailable_reason(q: Tensor, head_dim: int, head_dim_v: int) -> Optional[st
         return f"head_dim {head_dim}/{head_dim_v} (the flash engine takes multiples of 8 in 8..256)"
     if head_dim_v != head_dim and not (head_dim == 192 and head_dim_v == 128):
         return f"head_dim {head_dim} with value head_dim {head_dim_v}"
-    interface, why = _module()
-    return why
+    return _module()[1]
 
 
 def tile_for(head_dim: int, head_dim_v: int):

@@ -38,10 +38,6 @@ class AttentionSpec:
         return self.q.shape[0]
 
     @property
-    def heads(self) -> tuple[int, int]:
-        return self.q.shape[1], self.k.shape[1]
-
-    @property
     def seqlens(self) -> tuple[int, int]:
         return self.q.shape[2], self.k.shape[2]
 
