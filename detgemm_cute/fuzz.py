@@ -39,6 +39,8 @@ import torch
 
 from . import fuzz_cases as fc
 from . import reference
+from .dispatch import FAMILIES
+from .gemm import forced_family, use_family
 from .fuzz_cases import Case
 
 KINDS = ("ok", "wrong_bits", "crash", "refused")
@@ -77,9 +79,13 @@ class Summary:
 # ---------------------------------------------------------------------------------------
 # One case
 
-def check(case: Case, device: str = "cuda") -> Outcome:
-    """Run `case` on `device` and judge it: against the CPU reference (a GPU device), or the
-    case's layouts against contiguous operands (``"cpu"``). The reproducer's entry point."""
+def check(case: Case, device: str = "cuda", family: str | None = None) -> Outcome:
+    """Run `case` on `device` (on kernel `family`, default the GPU's own) and judge it:
+    against the CPU reference (a GPU device), or the case's layouts against contiguous
+    operands (``"cpu"``). The reproducer's entry point."""
+    if family is not None:
+        with use_family(family):
+            return check(case, device)
     got = _attempt(lambda: _on_device(case, device))
     want = _attempt(lambda: fc.evaluate(case, "cpu", layouts=False))
     return judge(got, want, exact_nan=device == "cpu" or nan_bits_modelled())
@@ -150,9 +156,12 @@ def bit_difference(got: torch.Tensor, want: torch.Tensor, exact_nan: bool) -> st
 
 
 def reproducer(case: Case, device: str) -> str:
-    """One line of shell that reruns `case` and prints its outcome."""
+    """One line of shell that reruns `case` (on this thread's kernel family, if one is
+    forced) and prints its outcome."""
+    family = forced_family() if device != "cpu" else None
+    extra = f", family={family!r}" if family else ""
     return (f"python -c \"from detgemm_cute.fuzz import Case, check; "
-            f"print(check({case!r}, device={device!r}))\"")
+            f"print(check({case!r}, device={device!r}{extra}))\"")
 
 
 def shrink(case: Case, outcome: Outcome, device: str, seconds: float = 30.0) -> Case:
@@ -240,7 +249,7 @@ def run(seconds: float, seed: int, device: str = "cuda", ops=fc.OPS, jobs: int |
     summary.seconds = time.monotonic() - start
     if summary.fatal is None:
         _shrink_all(summary, device, shrink_seconds, out)
-    _print_summary(summary, out)
+    print_summary(summary, out)
     return summary
 
 
@@ -280,9 +289,10 @@ def _shrink_all(summary: Summary, device: str, seconds: float, out) -> None:
             out(f"shrunk {f['kind']} {small.op} to {dict(small.dims)}:\n  {f['shrunk']}")
 
 
-def _print_summary(summary: Summary, out) -> None:
-    out(f"\nfuzz: seed {summary.seed}, device {summary.device}, {summary.problems} problems "
-        f"in {summary.seconds:.0f} s; NaN bits {summary.nan_bits}")
+def print_summary(summary: Summary, out, label: str | None = None) -> None:
+    """The per-op table of `summary`, headed by `label` (default: its seed)."""
+    out(f"\nfuzz: {label or f'seed {summary.seed}'}, device {summary.device}, "
+        f"{summary.problems} problems in {summary.seconds:.0f} s; NaN bits {summary.nan_bits}")
     out(f"  {'op':12s} {'problems':>9s} {'ok':>8s} {'wrong':>6s} {'crash':>6s} "
         f"{'refused':>8s}")
     totals = dict.fromkeys(KINDS, 0)
@@ -332,6 +342,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shrink-seconds", type=float, default=60.0,
                    help="time for shrinking failures (default 60)")
     p.add_argument("--json", metavar="FILE", help="write the summary and failures here")
+    p.add_argument("--family", default=None, choices=(*FAMILIES, "all"),
+                   help="kernel family the GPU cases run on (default: the GPU's own; all: "
+                        "each family in turn, with --procs)")
+    p.add_argument("--procs", type=int, default=1,
+                   help="fuzzing processes (seeds SEED..SEED+N-1) sharing the kernel cache; "
+                        "their summaries are added up (default 1)")
 
 
 def command(args, out=print) -> int:
@@ -341,8 +357,16 @@ def command(args, out=print) -> int:
         print(f"detgemm-cute: fuzz: {problem}", file=sys.stderr)
         return 1
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    summary = run(args.seconds, args.seed, device, tuple(args.ops.split(",")), args.jobs,
-                  args.max_macs, args.shrink_seconds, out, args.cases)
+    families = list(FAMILIES) if args.family == "all" else (
+        [args.family] if args.family else [])
+    if args.procs > 1:
+        from .fuzz_campaign import run_campaign
+
+        summary = run_campaign(args, families, out)
+    else:
+        with use_family(families[0] if families and device != "cpu" else None):
+            summary = run(args.seconds, args.seed, device, tuple(args.ops.split(",")),
+                          args.jobs, args.max_macs, args.shrink_seconds, out, args.cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary_json(summary), f, indent=1)
@@ -365,8 +389,12 @@ def _argument_problem(args) -> str:
         return f"--jobs must be >= 0, got {args.jobs}"
     if args.cases is not None and args.cases < 1:
         return f"--cases must be >= 1, got {args.cases}"
+    if args.procs < 1:
+        return f"--procs must be >= 1, got {args.procs}"
+    if args.family == "all" and args.procs < 2:
+        return "--family all needs --procs 2 or more (one family per process)"
     return ""
 
 
 __all__ = ["Case", "Outcome", "Summary", "check", "judge", "bit_difference", "shrink", "run",
-           "reproducer", "add_arguments", "command", "nan_bits_modelled"]
+           "reproducer", "add_arguments", "command", "nan_bits_modelled", "print_summary"]

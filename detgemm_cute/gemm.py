@@ -77,6 +77,11 @@ def use_family(name: str | None):
         _forced.family = prev
 
 
+def forced_family() -> str | None:
+    """The kernel family `use_family` set for this thread (None: the GPU's default)."""
+    return _forced.family
+
+
 def arch_of(device: torch.device) -> str:
     """The kernel family (registry arch) that serves `device` in this thread."""
     idx = device.index if device.index is not None else torch.cuda.current_device()

@@ -6,12 +6,14 @@ bits included. The GPU loop's bookkeeping (reference worker processes, judging, 
 reproducers) runs with the device side played by a deliberately broken CPU path, which it
 must catch; `tests/test_gpu_fuzz.py` runs the real thing."""
 
+import argparse
 import random
 
 import pytest
 import torch
 
-from detgemm_cute import cli, fuzz
+import detgemm_cute as dg
+from detgemm_cute import cli, fuzz, fuzz_campaign
 from detgemm_cute import fuzz_cases as fc
 from detgemm_cute.fuzz_cases import Case
 
@@ -119,3 +121,46 @@ def test_every_op_draws_runnable_cases(op):
     for _ in range(3):
         case = fc.draw(rng, (op,), max_macs=1 << 10)
         assert fuzz.check(case, "cpu").kind == "ok", repr(case)
+
+
+def test_campaign_in_two_processes_adds_up_their_summaries():
+    lines = []
+    p = argparse.ArgumentParser()
+    fuzz.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--seconds", "2", "--seed", "11", "--procs", "2",
+                         "--jobs", "1"])
+    s = fuzz_campaign.run_campaign(args, [], out=lines.append)
+    assert s.fatal is None and s.failed == 0
+    seeds = {ln.split("]")[0] for ln in lines if ln.startswith("[seed ")}
+    assert seeds == {"[seed 11", "[seed 12"}
+    per_child = [int(ln.split(" problems")[0].rsplit(" ", 1)[1]) for ln in lines
+                 if ln.startswith("[seed ") and "fuzz: seed" in ln]
+    assert len(per_child) == 2 and s.problems == sum(per_child) > 0
+    assert any(ln.strip().startswith("fuzz: seeds 11..12 (2 processes)") for ln in lines)
+
+
+def test_campaign_merge_keeps_failures_and_the_first_fatal_error():
+    zero = dict.fromkeys(fuzz.KINDS, 0)
+    a = {"seed": 1, "device": "cuda", "nan_bits": "bit for bit", "seconds": 5.0, "fatal": None,
+         "per_op": {"mm": {**zero, "ok": 3, "wrong_bits": 1}},
+         "failures": [{"case": "c1", "kind": "wrong_bits"}]}
+    b = {"seed": 2, "device": "cuda", "nan_bits": "bit for bit", "seconds": 7.0,
+         "fatal": "CUDA error: x", "per_op": {"mm": {**zero, "ok": 2}, "bmm": {**zero, "crash": 1}},
+         "failures": [{"case": "c2", "kind": "crash"}]}
+    s = fuzz_campaign.merge([a, b], 1)
+    assert s.problems == 7 and s.per_op["mm"]["ok"] == 5 and s.per_op["bmm"]["crash"] == 1
+    assert [f["case"] for f in s.failures] == ["c1", "c2"] and s.failed == 2
+    assert s.fatal == "CUDA error: x" and s.seconds == 7.0
+
+
+def test_reproducer_names_a_forced_kernel_family():
+    case = Case(op="mm", dtype="bf16", dims=(("M", 3), ("K", 5), ("N", 7)), seed=1)
+    with dg.use_family("sm80"):
+        line = fuzz.reproducer(case, "cuda")
+    assert "family='sm80'" in line
+    assert "family=" not in fuzz.reproducer(case, "cuda")
+
+
+def test_family_all_needs_several_processes(capsys):
+    assert cli.main(["fuzz", "--device", "cpu", "--family", "all"]) == 1
+    assert "--family all needs --procs 2" in capsys.readouterr().err
