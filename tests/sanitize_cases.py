@@ -121,9 +121,10 @@ def _bucket_tags(item) -> set:
 def _gemm_calls(item, quick):
     b, op = item.bucket, item.bucket.op
     empty = (b.tile[0], b.tile[1], 0) if op == "dw" else (0, b.tile[1], b.tile[2])
-    for i, (m, n, k) in enumerate(edge_shapes(b.tile, empty, quick)):
-        if b.swap_ab:  # the kernel's tile rows run along the caller's N
-            m, n = n, m
+    for i, shape in enumerate(edge_shapes(b.tile, empty, quick)):
+        m, n, k = shape
+        if b.swap_ab and shape is not empty:  # the kernel's tile rows run along the caller's
+            m, n = n, m                       # N; the empty shape keeps its 0 where it was
         dims = (("M", m), ("N", n), ("K", k))
         if op == "fwd":
             item.calls.append(Call("linear", dims))

@@ -72,3 +72,17 @@ def test_list_needs_no_gpu(capsys):
                           "--only", "grouped"]) == 0
     out = capsys.readouterr().out
     assert "plan: 2 items" in out and "GEMM launches expected" in out
+
+
+def test_every_planned_call_passes_the_public_argument_checks():
+    """Each call of the full plan, on meta tensors: the API's own checks accept it (a shape
+    the API refuses, such as N = 0, would stop the sanitizer run at that call)."""
+    refused = []
+    for item in sc.items(("sm90", "sm80"), dedupe=False):
+        dtype = "fp32" if item.dtype == "tf32" else item.dtype
+        for call in item.calls:
+            try:
+                sc.run_call(call, dtype, device="meta")
+            except (ValueError, TypeError, RuntimeError) as e:
+                refused.append((item.bucket.name, call.kind, call.dims, str(e)[:120]))
+    assert not refused, refused[:5]
