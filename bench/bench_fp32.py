@@ -179,19 +179,21 @@ def run_accuracy(log):
     return out
 
 
-def candidate_layer(path):
-    """A user layer with every candidate as its own bucket (M ranges nobody calls with)."""
+def candidate_layer(path, cands=None):
+    """A user layer with every candidate (`CANDIDATES` by default) as its own bucket (M ranges
+    nobody calls with)."""
+    cands = CANDIDATES if cands is None else cands
     lines = ["arch: sm90", "buckets:"]
-    for i, (tile, stages, pers, cl) in enumerate(CANDIDATES):
+    for i, (tile, stages, pers, cl) in enumerate(cands):
         lo = 10**9 + i
-        lines += [f"  - name: {cand_name(i)}", "    op: fwd", "    dtypes: [fp32]",
+        lines += [f"  - name: {cand_name(i, cands)}", "    op: fwd", "    dtypes: [fp32]",
                   f"    m: [{lo}, {lo}]", f"    tile: {list(tile)}", f"    stages: {stages}",
                   f"    persistent: {str(pers).lower()}", f"    cluster: {list(cl)}"]
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-def cand_name(i):
-    tile, stages, pers, cl = CANDIDATES[i]
+def cand_name(i, cands=None):
+    tile, stages, pers, cl = (CANDIDATES if cands is None else cands)[i]
     return (f"cand_{tile[0]}x{tile[1]}_s{stages}_{'p' if pers else 'np'}"
             f"{'_c' + str(cl[0]) + str(cl[1]) if cl != (1, 1) else ''}")
 

@@ -16,6 +16,16 @@ have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
 GEMM of each); `--direct` adds each candidate's direct-store twin (name suffix `+direct`:
 the kernel's threads store every output, as they do where TMA cannot address the rows), to
 compare the two epilogues on aligned outputs too.
+
+`--preset broad` runs the broad attention sweep instead (`BROAD_HEADS` x `BROAD_SEQS`, odd
+sequence lengths first, the candidates of `BROAD_ONLY`): the records `bench/fit_bmm.py`
+fits the bmm buckets from. Every row also times the table's own choice (`table`, unforced
+`dg.bmm`) and says how it runs (`layout`: output stored by the threads, P read by the
+producer warpgroup). The records file is rewritten after every problem, so a run cut off
+by its time limit keeps what it measured; `--max-seconds` stops it cleanly (compiling
+included).
+
+    python bench/sweep_bmm.py --preset broad --jobs 14 --max-seconds 200 --out $OUT/bmm_broad.json
 """
 
 import argparse
@@ -54,6 +64,29 @@ CANDIDATES = [
         # tile: wider tiles and multicast clusters read fewer per output.
         ((128, 256, 64), (1, 1), 3, True, False), ((128, 256, 64), (2, 1), 3, True, False),
         ((128, 128, 64), (2, 2), 4, True, False), ((128, 192, 64), (2, 1), 4, True, False))]
+
+
+# The broad sweep (`--preset broad`): (label, query heads, head_dim) at the sequence lengths
+# below, both GEMMs, tokens (batch x sequence) about TOKENS; the slow classes of the last
+# bench (p @ v and q @ k^T at S = 1500 and 2500) first, so a time box cuts the least
+# informative rows. BROAD_BATCHES adds the same head_dim-128 problems at other batch sizes.
+BROAD_HEADS = [("llama3-8b", 32, 128), ("gpt2", 12, 64), ("phi2", 32, 80), ("phi3-mini", 32, 96),
+               ("llama3-70b/tp8", 8, 128)]
+BROAD_SEQS = (1500, 2500, 333, 1000, 2047, 3000, 777, 4000)
+BROAD_BATCHES = ((1500, (1, 16)), (3000, (1, 8)), (333, (4, 64)))
+BROAD_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "64x256x64_c1x1_s4_p",
+              "128x64x64_c1x1_s6_p", "128x128x64_c1x1_s4_p", "128x128x64_c2x1_s4_p",
+              "128x192x64_c1x1_s4_p", "128x256x64_c1x1_s3", "128x256x64_c2x1_s3_p",
+              "128x128x64_c2x2_s4_p")
+
+
+def broad_problems():
+    """(label, L, S, head_dim) of the broad sweep, in the order they run."""
+    out = [(name, min(64, max(1, TOKENS // s)) * heads, s, d)
+           for s in BROAD_SEQS for name, heads, d in BROAD_HEADS]
+    out += [(f"{name}/b{b}", b * heads, s, d) for s, batches in BROAD_BATCHES
+            for b in batches for name, heads, d in BROAD_HEADS if d == 128]
+    return out
 
 
 def problems(models, seqs):
@@ -128,7 +161,8 @@ def check_bits(names, s) -> bool:
 
 
 def precompile(names, probs, kinds, jobs, log):
-    """Every candidate's kernel for every layout the sweep meets, in `jobs` processes."""
+    """Every candidate's kernel (and the table's own) for every layout the sweep meets, in
+    `jobs` processes."""
     from detgemm_cute import aot_cache
     from detgemm_cute.parallel_compile import compile_all
 
@@ -144,10 +178,46 @@ def precompile(names, probs, kinds, jobs, log):
                 with direct_store(nm.endswith(DIRECT)):
                     bucket = dispatch.bucket_by_name("sm90", nm.removesuffix(DIRECT))
                     keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
+            bucket = dispatch.lookup("bmm", "bf16", "sm90", m, n, k)
+            keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
     log(f"compiling {len(keys)} kernels in {jobs} processes")
     failed = compile_all(list(keys), directory, jobs, log=log)
     for key, why in failed.items():
         log(f"could not build {key}: {why}")
+
+
+def table_layout(a, b, bucket_name) -> dict:
+    """How the table's bucket runs these operands: the output stored by the tile's threads
+    (`c_direct`), P's rows read by the producer warpgroup (`a_loads`), copies."""
+    bucket = dispatch.bucket_by_name("sm90", bucket_name)
+    key, stage_a, stage_b, _ = batched.kernel_layout(a, b, None, BF16, bucket)
+    return {"c_direct": bool(key.c_direct), "a_loads": bool(key.a_loads),
+            "stage_a": stage_a, "stage_b": stage_b, "cluster": list(key.cluster)}
+
+
+def measure(model, kind, lb, m, k, n, names, table_bucket, l2, cap) -> dict:
+    """One problem: every candidate, the table's own choice and torch.bmm timed together,
+    the candidates' bits checked; the record row (also printed)."""
+    sets = make_sets(kind, lb, m, k, n, l2)
+    fns = {nm: forced(nm) for nm in names}
+    fns["torch_bmm"] = lambda st: torch.bmm(*st)
+    fns["table"] = lambda st: dg.bmm(*st)
+    if kind == "pv" and k % 8:
+        fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
+        fns["aligned_gemm"] = aligned_gemm(names[0])
+    us, errors, best = time_candidates(fns, sets, PLAN, cap, names)
+    ok = check_bits(names, sets[0])
+    row = {"model": model, "kind": kind, "L": lb, "M": m, "K": k, "N": n, "us": us,
+           "bits_ok": ok, "table": table_bucket, "errors": errors,
+           "layout": table_layout(*sets[0], table_bucket)}
+    peer = us.get("torch_bmm") or float("nan")
+    split_us = (f"  copy {us.get('stage_copy') or 0:.1f} aligned "
+                f"{us.get('aligned_gemm') or 0:.1f}" if "stage_copy" in us else "")
+    print(f"{model:16s} {kind} L={lb:5d} M={m:5d} K={k:5d} N={n:5d} best "
+          f"{best[1].split('.', 1)[1]:30s} {best[0]:8.1f} us  torch {peer:8.1f}  "
+          f"{peer / best[0]:.2f}x  table {us.get('table') or float('nan'):8.1f}  bits {ok}"
+          f"{split_us}", flush=True)
+    return row
 
 
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
@@ -165,14 +235,19 @@ def main() -> int:
     p.add_argument("--direct", action="store_true", help="add direct-store twins")
     p.add_argument("--only", help="comma-separated substrings: keep the candidates whose "
                    "names contain one (e.g. 128x256x64_c2x1,128x128x64_c1x1_s4_p)")
+    p.add_argument("--preset", choices=("models", "broad"), default="models",
+                   help="broad: the broad attention sweep (BROAD_*) and its candidates")
     args = p.parse_args()
+    if args.preset == "broad" and args.problems:
+        p.error("--preset broad and --problems are two problem lists: give one")
     err, _ = gpu.gpu_check()
     if err:
         print(err, file=sys.stderr)
         return 1
     t0 = time.time()
     models = MODELS[::3] if args.quick else MODELS
-    probs = (list(problems(models, SEQS)) if not args.problems else
+    probs = (broad_problems() if args.preset == "broad" else list(problems(models, SEQS))
+             if not args.problems else
              [("given", *map(int, t.split(","))) for t in args.problems.split(";")])
     kinds = args.kinds.split(",")
     table = {(m, n, k): dispatch.lookup("bmm", "bf16", "sm90", m, n, k).name
@@ -181,6 +256,8 @@ def main() -> int:
         names = candidate_layer(Path(tmp) / "candidates.yaml", "bmm", "bcand", CANDIDATES)
     if args.only:
         names = [nm for nm in names if any(o in nm for o in args.only.split(","))]
+    elif args.preset == "broad":  # exact names: a prefix would also keep the pingpong twin
+        names = [nm for nm in names if nm.split(".", 1)[1] in BROAD_ONLY]
     if args.direct:
         names += [nm + DIRECT for nm in names if gemm.stores_direct(
             "sm90", dispatch.bucket_by_name("sm90", nm), True)]
@@ -189,31 +266,14 @@ def main() -> int:
     l2 = gpu.l2_bytes()
     cap = torch.cuda.Stream()
     rows = []
-    for model, lb, s, d in probs:
-        for kind, m, k, n in shapes_of(lb, s, d):
-            if kind not in kinds:
-                continue
-            if time.time() - t0 > args.max_seconds:
-                print(f"time box reached after {len(rows)} problems", flush=True)
-                break
-            sets = make_sets(kind, lb, m, k, n, l2)
-            fns = {nm: forced(nm) for nm in names}
-            fns["torch_bmm"] = lambda st: torch.bmm(*st)
-            if kind == "pv" and k % 8:
-                fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
-                fns["aligned_gemm"] = aligned_gemm(names[0])
-            us, errors, best = time_candidates(fns, sets, PLAN, cap, names)
-            ok = check_bits(names, sets[0])
-            row = {"model": model, "kind": kind, "L": lb, "M": m, "K": k, "N": n, "us": us,
-                   "bits_ok": ok, "table": table[(m, n, k)], "errors": errors}
-            peer = us.get("torch_bmm") or float("nan")
-            split_us = (f"  copy {us.get('stage_copy') or 0:.1f} aligned "
-                        f"{us.get('aligned_gemm') or 0:.1f}" if "stage_copy" in us else "")
-            print(f"{model:16s} {kind} L={lb:5d} M={m:5d} K={k:5d} N={n:5d} best "
-                  f"{best[1].split('.', 1)[1]:30s} {best[0]:8.1f} us  torch {peer:8.1f}  "
-                  f"{peer / best[0]:.2f}x  bits {ok}{split_us}", flush=True)
-            rows.append(row)
-            del sets
+    todo = [(model, lb, shape) for model, lb, s, d in probs for shape in shapes_of(lb, s, d)
+            if shape[0] in kinds]
+    for model, lb, (kind, m, k, n) in todo:
+        if time.time() - t0 > args.max_seconds:
+            print(f"time box reached after {len(rows)} of {len(todo)} problems", flush=True)
+            break
+        rows.append(measure(model, kind, lb, m, k, n, names, table[(m, n, k)], l2, cap))
+        write_records(args.out, names, rows)  # a run cut off later keeps these rows
     write_records(args.out, names, rows)
     return 0
 

@@ -1,0 +1,255 @@
+"""Fit the `op: bmm` buckets of the SM90 table to `bench/sweep_bmm.py` records (CPU only).
+
+Each record row is one attention-shaped problem (kind, L, M, K, N) with the time of every
+candidate kernel, of torch.bmm and (in newer records) of the table's own choice (`table`).
+Rows are grouped by the bucket the current table gives them (`dispatch.lookup`), and per
+bucket:
+
+1. the candidate with the fewest rows below `--floor` x torch.bmm, then the best geomean of
+   torch / candidate over the bucket's rows (candidates timed on every row whose bits
+   matched);
+2. up to `--splits` cuts of the bucket's M range (between two measured M), each side with
+   its own candidate, kept where a cut lowers the rows below the floor or raises the
+   geomean by `--min-gain`.
+
+A bucket whose choice beats the current table's kernel (its `table` time, else the
+candidate with the table's kernel) by `--min-gain`, or lifts rows over the floor, goes into
+`--out`: a user layer of `bench/sweep_bmm.py`'s candidates that shadows those buckets
+(`DETGEMM_CUTE_CONFIG=FILE`, or copy its buckets into configs/sm90.yaml). The report lists,
+per bucket, the rows, the current and fitted speeds, and every row still below the floor
+with how the table runs it (output stored by the threads, P read by the producer
+warpgroup) and the best any candidate reached there (a row no tile lifts needs a kernel
+change, not a table change). A tile never changes an entry's bits, so this trades speed
+only; the records' own `bits_ok` says the candidates agreed.
+
+    python bench/fit_bmm.py RECORDS.json [MORE.json.gz ...] --out bmm_layer.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+FLOOR = 0.9
+_LABEL = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
+PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm")
+
+
+def kernel_fields(name: str) -> dict:
+    """The bucket fields of a sweep candidate ("bcand.128x128x64_c2x1_s4_p[_pingpong]")."""
+    m = _LABEL.search(name.split(".", 1)[-1])
+    if m is None:
+        raise ValueError(f"fit_bmm: {name!r} is not a candidate name of bench/sweep_bmm.py")
+    bm, bn, bk, cm, cn, st = map(int, m.groups()[:6])
+    out = {"tile": [bm, bn, bk], "cluster": [cm, cn], "stages": st,
+           "persistent": bool(m.group(7))}
+    if m.group(8):
+        out["pingpong"] = True
+    return out
+
+
+def bucket_fields(b) -> dict:
+    out = {"tile": list(b.tile), "cluster": list(b.cluster), "stages": b.stages,
+           "persistent": b.persistent}
+    if b.pingpong:
+        out["pingpong"] = True
+    return out
+
+
+def read_rows(paths) -> list[dict]:
+    """Rows of every records file whose candidates agreed on the bits; a problem measured
+    in several files keeps its last row."""
+    rows = {}
+    for path in paths:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+            raise ValueError(f"fit_bmm: {path}: no 'rows' list (a bench/sweep_bmm.py --out file?)")
+        for r in doc["rows"]:
+            if r.get("bits_ok") and (r.get("us") or {}).get("torch_bmm"):
+                rows[(r["kind"], r["L"], r["M"], r["K"], r["N"])] = r
+    return list(rows.values())
+
+
+def speeds(rows, name) -> list[float] | None:
+    """torch / `name` per row, or None when `name` was not timed on every row."""
+    out = []
+    for r in rows:
+        t = r["us"].get(name)
+        if not t:
+            return None
+        out.append(r["us"]["torch_bmm"] / t)
+    return out
+
+
+def geomean(v) -> float:
+    return math.exp(sum(map(math.log, v)) / len(v))
+
+
+def score(v) -> tuple:
+    """Larger is better: fewer rows below the floor, then the geomean."""
+    return (-sum(x < FLOOR for x in v), geomean(v))
+
+
+def candidates_of(rows) -> list[str]:
+    names = {nm for r in rows for nm in r["us"] if nm not in PEERS and "+" not in nm}
+    return sorted(nm for nm in names if speeds(rows, nm))
+
+
+def best_candidate(rows):
+    """(name, speeds) of the best candidate on `rows`, or None."""
+    scored = [(score(v), nm, v) for nm in candidates_of(rows) for v in [speeds(rows, nm)]]
+    if not scored:
+        return None
+    _, nm, v = max(scored, key=lambda t: (t[0], t[1]))
+    return nm, v
+
+
+def better(new, old, min_gain) -> bool:
+    """`new` speeds beat `old`: fewer rows below the floor, or the geomean by min_gain."""
+    (nb, ng), (ob, og) = score(new), score(old)
+    return nb > ob or (nb == ob and ng > og * (1 + min_gain))
+
+
+def fit_bucket(rows, lo, hi, splits, min_gain):
+    """[(m_lo, m_hi, candidate, speeds)] covering [lo, hi] (hi None: unbounded), greedily cut
+    along M at most `splits` times."""
+    first = best_candidate(rows)
+    if first is None:
+        return []
+    parts = [(lo, hi, rows, *first)]
+    for _ in range(splits):
+        best = None
+        for i, (plo, phi, prow, _, pv) in enumerate(parts):
+            ms = sorted({r["M"] for r in prow})
+            for cut in ms[1:]:
+                left = [r for r in prow if r["M"] < cut]
+                right = [r for r in prow if r["M"] >= cut]
+                bl, br = best_candidate(left), best_candidate(right)
+                if bl is None or br is None:
+                    continue
+                merged = bl[1] + br[1]
+                if better(merged, [pv[prow.index(r)] for r in left + right], min_gain) and (
+                        best is None or score(merged) > best[0]):
+                    best = (score(merged), i, [(plo, cut - 1, left, *bl),
+                                               (cut, phi, right, *br)])
+        if best is None:
+            break
+        _, i, new = best
+        parts[i:i + 1] = new
+    return [(plo, phi, nm, v) for plo, phi, _, nm, v in parts]
+
+
+def current_speeds(rows, bucket):
+    """The table's speeds on `rows`: its `table` timing, else the candidate with its kernel."""
+    v = speeds(rows, "table")
+    if v:
+        return v, "table"
+    want = bucket_fields(bucket)
+    for nm in candidates_of(rows):
+        if kernel_fields(nm) == want:
+            return speeds(rows, nm), nm
+    return None, None
+
+
+def _yaml_bucket(name, b, lo, hi, fields, note) -> list[str]:
+    rng = lambda r: f"[{r[0]}, {'null' if r[1] is None else r[1]}]"  # noqa: E731
+    lines = [f"  - name: {name}", "    op: bmm", f"    dtypes: [{', '.join(b.dtypes)}]",
+             f"    m: {rng((lo, hi))}", f"    n: {rng(b.n)}", f"    k: {rng(b.k)}",
+             f"    tile: {fields['tile']}", f"    cluster: {fields['cluster']}",
+             f"    stages: {fields['stages']}",
+             f"    persistent: {str(fields['persistent']).lower()}"]
+    if fields.get("pingpong"):
+        lines.append("    pingpong: true")
+    return lines + [f"    note: {json.dumps(note)}"]
+
+
+def _row_text(r, v, best_v, best_nm) -> str:
+    lay = r.get("layout") or {}
+    how = ", ".join(k for k in ("c_direct", "a_loads", "stage_a", "stage_b") if lay.get(k))
+    return (f"    {r['kind']} L={r['L']} M={r['M']} K={r['K']} N={r['N']}: {v:.2f}x"
+            f" (best tile {best_nm.split('.', 1)[-1]} {best_v:.2f}x){' [' + how + ']' if how else ''}")
+
+
+def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print):
+    """YAML lines of the layer (possibly just the header) and the report, printed via `out`."""
+    from detgemm_cute import dispatch
+
+    by_bucket: dict = {}
+    for r in rows:
+        b = dispatch.lookup("bmm", "bf16", arch, r["M"], r["N"], r["K"])
+        by_bucket.setdefault(b.name, (b, []))[1].append(r)
+    lines = [f"arch: {arch}", "buckets:"]
+    before, after = [], []
+    for name, (b, brows) in sorted(by_bucket.items()):
+        cur, how = current_speeds(brows, b)
+        parts = fit_bucket(brows, b.m[0], b.m[1], splits, min_gain)
+        if not parts:
+            out(f"{name}: {len(brows)} rows, no candidate timed on all of them")
+            continue
+        new = [x for *_, v in parts for x in v]
+        order = [r for lo, hi, *_ in parts for r in brows if lo <= r["M"] <= (hi or r["M"])]
+        cur_o = None if cur is None else [cur[brows.index(r)] for r in order]
+        take = cur_o is not None and better(new, cur_o, min_gain)
+        before += cur_o or []
+        after += new if take else cur_o or []
+        cur_txt = "not timed (nothing written)" if cur_o is None else (
+            f"{geomean(cur_o):.3f}x ({how}), {sum(x < FLOOR for x in cur_o)} below {FLOOR}")
+        out(f"{name} ({len(brows)} rows, M {b.m[0]}..{b.m[1] or 'inf'}): table {cur_txt}; "
+            f"fit {geomean(new):.3f}x, {sum(x < FLOOR for x in new)} below"
+            f"{'' if take or cur_o is None else ' (kept: gain too small)'}")
+        for lo, hi, nm, v in parts:
+            out(f"  M {lo}..{hi or 'inf'}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x on {len(v)}")
+        for r in order:
+            v = (new if take or cur_o is None else cur_o)[order.index(r)]
+            if v < FLOOR:
+                best_nm, best_v = max(((nm, r["us"]["torch_bmm"] / r["us"][nm])
+                                       for nm in r["us"] if nm not in PEERS and "+" not in nm
+                                       and r["us"][nm]),
+                                      key=lambda t: t[1])
+                out(_row_text(r, v, best_v, best_nm))
+        if take:
+            for i, (lo, hi, nm, v) in enumerate(parts):
+                nm_out = name if len(parts) == 1 else f"{name}_m{lo}_{hi or 'up'}"
+                note = (f"fit_bmm on {device}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x "
+                        f"torch.bmm on {len(v)} attention rows (worst {min(v):.2f}x)")
+                lines += _yaml_bucket(nm_out, b, lo, hi, kernel_fields(nm), note)
+    if before:
+        out(f"all rows with a table timing: {geomean(before):.3f}x torch.bmm, "
+            f"{sum(x < FLOOR for x in before)} of {len(before)} below {FLOOR}; fitted "
+            f"{geomean(after):.3f}x, {sum(x < FLOOR for x in after)} below")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("records", nargs="+", help="bench/sweep_bmm.py --out files (.gz ok)")
+    p.add_argument("--out", help="the layer YAML to write (only buckets the fit changes)")
+    p.add_argument("--splits", type=int, default=2, help="cuts along M per bucket, at most")
+    p.add_argument("--min-gain", type=float, default=0.02)
+    args = p.parse_args(argv)
+    rows = read_rows(args.records)
+    if not rows:
+        print("fit_bmm: no rows with matching bits and a torch.bmm time", file=sys.stderr)
+        return 1
+    device = next((json.load((gzip.open if str(f).endswith(".gz") else open)(f, "rt"))
+                   .get("meta", {}).get("device") for f in args.records), None) or "this GPU"
+    lines = fit(rows, splits=args.splits, min_gain=args.min_gain, device=device)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        if len(lines) > 2:
+            from detgemm_cute import registry
+
+            registry.load_config(args.out, arch="sm90")  # validates: ConfigError names the line
+        print(f"wrote {args.out} ({sum(ln.startswith('  - name') for ln in lines)} buckets)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
