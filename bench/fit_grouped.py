@@ -202,21 +202,23 @@ def short(name) -> str:
     return "-" if name is None else name.split(".", 1)[-1].replace("x64_", "_").replace("_p", "")
 
 
-def fit(paths, tol=0.02, max_buckets=8, table=None):
-    """(report lines, table block lines) from the records at `paths`."""
+def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True):
+    """(report lines, table block lines) from the records at `paths` (`leave_out`: also score
+    each model under a fit without it, one more fit per model)."""
     meta, names, fields, rows = read_records(paths)
     points = points_of(rows, names)
     if not points:
         raise ValueError("the records hold no row with a candidate and a torch peer timed")
     boxes = build_boxes(points, names, tol, max_buckets)
     current, fitted = table_picker(names, fields, table), box_picker(boxes)
-    loo = leave_one_model_out(points, names, tol, max_buckets)
+    loo = leave_one_model_out(points, names, tol, max_buckets) if leave_out else [None]
     oracle = [p.peers["torch"] / p.best for p in points]
     head = [f"{len(points)} MoE GEMMs ({len({p.label.split(' ')[0] for p in points})} models),"
             f" {len(names)} candidates; vs the better of torch._grouped_mm and the loop:",
             f"current table: {summary(speeds(points, current))}",
             f"fitted ({len(boxes)} buckets): {summary(speeds(points, fitted))}",
-            f"fitted, each model left out: {summary(loo)}",
+            "fitted, each model left out: "
+            + (summary(loo) if leave_out else "not run (--no-leave-out)"),
             f"best candidate per GEMM: {summary(oracle)}"]
     passes = " and ".join(sorted({r.get("pass", "fwd") for r in rows}))
     header = [f"Fitted from bench/sweep_grouped.py on {meta.get('device', '?')} "
@@ -238,10 +240,13 @@ def main(argv=None) -> int:
     p.add_argument("--layer", help="write the buckets as a user layer here")
     p.add_argument("--write-table", help="replace the grouped block of this table file")
     p.add_argument("--report", help="write the report (markdown) here too")
+    p.add_argument("--no-leave-out", action="store_true",
+                   help="skip the fits with each model left out (one fit per model)")
     args = p.parse_args(argv)
     if args.max_buckets < 1 or not 0 <= args.tol < 1:
         p.error("--max-buckets must be >= 1 and --tol in [0, 1)")
-    report, block = fit(args.records, args.tol, args.max_buckets, args.table)
+    report, block = fit(args.records, args.tol, args.max_buckets, args.table,
+                        not args.no_leave_out)
     print("\n".join(report))
     if args.report:
         Path(args.report).write_text("\n".join(report) + "\n")
