@@ -49,8 +49,11 @@ def time_candidates(fns: dict, sets, plan, cap_stream, names):
     return us, errors, min((v, nm) for nm, v in us.items() if v and nm in names)
 
 
-def write_records(out: str, names, rows) -> None:
-    """The sweep's JSON: the device, the candidates' names, one row per problem."""
+def write_records(out: str, names, rows, fields=None, **meta) -> None:
+    """The sweep's JSON: the device (and `meta`), the candidates' names (and with `fields`
+    their kernel fields, {name: {tile, cluster, stages, ...}}), one row per problem."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"meta": gpu.device_meta(), "candidates": names,
-                                     "rows": rows}, indent=1))
+    record = {"meta": {**gpu.device_meta(), **meta}, "candidates": names, "rows": rows}
+    if fields is not None:
+        record["candidate_fields"] = fields
+    Path(out).write_text(json.dumps(record, indent=1))

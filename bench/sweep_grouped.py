@@ -1,19 +1,26 @@
 """Time grouped-kernel candidates on mixture-of-experts layers of public models (needs an
-SM90 GPU): the data the ``op: grouped`` buckets of configs/sm90.yaml are chosen from.
+SM90 GPU): the data the ``op: grouped`` buckets of configs/sm90.yaml are fitted from
+(`fit_grouped.py`).
 
-For every (model, token count, projection) the candidates (`CANDIDATES`, declared as the
-alternatives of one user bucket and forced by name), `torch._grouped_mm` and a per-expert
-`torch.mm` loop run on the same inputs in one `time_units` call (CUDA graphs, interleaved
-rounds, medians; the loop also under cuBLASLt with split-K off; tokens routed top-k
-uniformly at random, expert weights stored as
-nn.Linear's [E, N, K]). Every candidate's output must have the bits of the first one, and
-one group's rows the bits of `dg.mm` on them.
+For every (model, token count, projection, pass) the candidates (`CANDIDATES`, declared as
+the alternatives of one user bucket and forced by name), `torch._grouped_mm`, a per-expert
+`torch.mm` loop and that loop under cuBLASLt with split-K off run on the same inputs in one
+`time_units` call (CUDA graphs, interleaved rounds, medians). Passes (`moe_layers.py`): the
+forward (expert weights as nn.Linear's [E, N, K], passed as the [E, K, N] view) and dX
+(autograd's grouped call with the row-major [E, N, K] weight); both run the grouped kernel,
+whose table is keyed by (ceil(T / E), N, K) of the pass's own GEMM, which a row records as
+m_avg, N, K. Every candidate's output must have the bits of the first one, and the largest
+group's rows the bits of `dg.mm` on them.
 
-    python bench/sweep_grouped.py --out bench/results/tune/grouped_sweep.json [--quick]
+Problems run in priority order (issue 41's layers first, then every model at one token count
+before the next count), so a run cut by --max-seconds still spans every model.
+
+    python bench/sweep_grouped.py --out "$OUT/grouped_sweep.json" --jobs 14 --max-seconds 270
 """
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 import time
@@ -22,63 +29,50 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
+from detgemm_cute import dispatch, grouped
 from detgemm_cute.benchlib import gpu
-from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for
+from moe_layers import (MODEL_BY_NAME, MODELS, layer_dims, largest_group, lt_loop, make_set,
+                        set_bytes, torch_grouped, torch_loop)
 from sweep_common import candidate_layer, time_candidates, write_records
 
-BF16 = torch.bfloat16
-# (name, experts, top-k, hidden, expert ffn): public configs; "/tpN": ffn sharded N ways,
-# "/epN": the experts one of N expert-parallel ranks holds.
-MODELS = [("mixtral-8x7b", 8, 2, 4096, 14336), ("mixtral-8x7b/tp2", 8, 2, 4096, 7168),
-          ("mixtral-8x22b", 8, 2, 6144, 16384), ("qwen1.5-moe-a2.7b", 60, 4, 2048, 1408),
-          ("qwen3-30b-a3b", 128, 8, 2048, 768), ("deepseek-v2-lite", 64, 6, 2048, 1408),
-          ("olmoe-1b-7b", 64, 8, 2048, 1024), ("gpt-oss-20b", 32, 4, 2880, 2880),
-          ("qwen3-235b-a22b/ep4", 32, 8, 4096, 1536), ("deepseek-v3/ep8", 32, 8, 7168, 2048)]
-TOKENS = (64, 256, 1000, 4096, 12000)
-CANDIDATES = [  # persistent, cooperative (the grouped kernel)
+# Token counts, in the order they are run (the time box cuts the last ones).
+TOKENS = (1024, 4096, 256, 16384, 2048, 128, 8192, 512)
+# Issue 41's layers (model, tokens): run first.
+PRIORITY = (("mixtral-8x7b/unfused", 512), ("mixtral-8x7b/unfused", 4096),
+            ("narrow-128e", 1024), ("qwen1.5-moe-a2.7b", 2048), ("deepseek-v2-lite", 8192))
+CANDIDATES = [  # persistent, cooperative (the grouped kernel): tile, cluster [1, CN], stages
     {"tile": t, "cluster": c, "stages": s, "persistent": True} for t, c, s in (
         ((64, 256, 64), (1, 1), 5), ((64, 256, 64), (1, 2), 5), ((64, 128, 64), (1, 1), 8),
         ((128, 256, 64), (1, 2), 4), ((128, 256, 64), (1, 1), 4), ((128, 192, 64), (1, 2), 4),
-        ((128, 128, 64), (1, 2), 6), ((128, 128, 64), (1, 1), 6), ((256, 128, 64), (1, 2), 4))]
+        ((128, 128, 64), (1, 2), 6), ((128, 128, 64), (1, 1), 6), ((256, 128, 64), (1, 2), 4),
+        # beyond the first sweep: 4-CTA A multicast, the widest 256-row tile, odd widths
+        # against wave quantization, a 256-row tile without a cluster
+        ((128, 256, 64), (1, 4), 4), ((64, 256, 64), (1, 4), 5), ((256, 192, 64), (1, 2), 3),
+        ((128, 224, 64), (1, 2), 4), ((128, 160, 64), (1, 2), 5), ((256, 128, 64), (1, 1), 4))]
+PEERS = ("torch_grouped_mm", "torch_loop", "lt_loop")
 
 
-def problems(models, tokens):
-    for name, experts, topk, hidden, ffn in models:
-        for t in tokens:
-            for proj, k, n in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
-                yield name, experts, topk, t, proj, k, n
+def problems(models, tokens, passes):
+    """(model, tokens, projection, pass) in run order: PRIORITY first, then each token count
+    over every model; no problem twice."""
+    order = [(MODEL_BY_NAME[m], t) for m, t in PRIORITY
+             if m in {x[0] for x in models} and t in tokens]
+    order += [(m, t) for t in tokens for m in models]
+    seen = set()
+    for model, t in order:
+        for proj, _k, _n in layer_dims(model):
+            for pass_ in passes:
+                key = (model[0], t, proj, pass_)
+                if key not in seen:
+                    seen.add(key)
+                    yield model, t, proj, pass_
 
 
-def make_sets(experts, topk, tokens, k, n, gen, l2):
-    rows = tokens * topk
-    nbytes = 2 * (rows * k + experts * k * n + rows * n)
-    sets = []
-    for _ in range(min(4, n_sets_for(nbytes, l2, QUICK_PLAN))):
-        counts = torch.bincount(torch.randint(experts, (rows,), generator=gen),
-                                minlength=experts)
-        offs = counts.cumsum(0).to(torch.int32).cuda()
-        x = torch.randn(rows, k, device="cuda", dtype=BF16)
-        w = torch.randn(experts, n, k, device="cuda", dtype=BF16).mul_(k ** -0.5)
-        sets.append((x, w.transpose(1, 2), offs, counts.cumsum(0).tolist()))
-    return sets
-
-
-def torch_loop(s):
-    x, w, _, ends = s
-    out = torch.empty(x.shape[0], w.shape[2], device="cuda", dtype=BF16)
-    start = 0
-    for g, end in enumerate(ends):
-        if end > start:
-            torch.mm(x[start:end], w[g], out=out[start:end])
-        start = end
-    return out
-
-
-def lt_loop(s):
-    """The per-expert loop under cuBLASLt with split-K off (the same chain as detgemm)."""
-    with LtNoSplit():
-        return torch_loop(s)
+def gemm_kn(model, proj, pass_) -> tuple[int, int]:
+    """(K, N) of the pass's own GEMM (dx swaps the layer's K and N)."""
+    k, n = next((k, n) for p, k, n in layer_dims(model) if p == proj)
+    return (n, k) if pass_ == "dx" else (k, n)
 
 
 def forced(name):
@@ -89,57 +83,117 @@ def forced(name):
 
 
 def check_bits(names, s) -> bool:
-    x, w, offs, ends = s
+    """All candidates give the first one's bits, and the largest group's rows are dg.mm's."""
+    x, w, _offs, ends = s
     outs = [forced(nm)(s) for nm in names]
     same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
-    g = max(range(len(ends)), key=lambda i: ends[i] - (ends[i - 1] if i else 0))
-    start = ends[g - 1] if g else 0
-    ref = dg.mm(x[start:ends[g]], w[g])
-    return same and torch.equal(outs[0][start:ends[g]].view(torch.int16), ref.view(torch.int16))
+    g, start, end = largest_group(ends)
+    ref = dg.mm(x[start:end], w[g])
+    return same and torch.equal(outs[0][start:end].view(torch.int16), ref.view(torch.int16))
 
 
-def main() -> int:
+def prebuild(names, sample_sets, jobs: int, log=print) -> None:
+    """Compile every candidate's kernel for the weight layouts of `sample_sets` in `jobs`
+    processes (into the AOT cache; a temporary one when it is off)."""
+    from detgemm_cute import aot_cache
+    from detgemm_cute.parallel_compile import compile_all
+
+    keys = [grouped.kernel_key(dispatch.bucket_by_name("sm90", nm), s[0], s[1], s[0].dtype)
+            for nm in names for s in sample_sets]
+    directory = aot_cache.cache_dir()
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="detgemm-sweep-aot-")
+        os.environ[aot_cache.ENV_VAR] = directory
+    keys = list(dict.fromkeys(keys))
+    log(f"compiling {len(keys)} kernels in {jobs} processes into {directory}")
+    for key, why in compile_all(keys, directory, jobs).items():
+        log(f"could not prebuild {key.tile} c{key.cluster}: {why} (compiled on first use)")
+
+
+def candidate_fields(names) -> dict:
+    """{candidate name: its kernel fields}, as the registry holds them (for the fit)."""
+    out = {}
+    for nm in names:
+        b = dispatch.bucket_by_name("sm90", nm)
+        out[nm] = {"tile": list(b.tile), "cluster": list(b.cluster), "stages": b.stages,
+                   "persistent": b.persistent}
+    return out
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="every third model, two token counts")
+    p.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--passes", default="fwd,dx", help="fwd and/or dx")
+    p.add_argument("--candidates", type=int, default=len(CANDIDATES),
+                   help="the first N candidates only")
+    p.add_argument("--jobs", type=int, default=0, help="prebuild the kernels in N processes")
     p.add_argument("--max-seconds", type=float, default=480.0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODEL_BY_NAME]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; known: {', '.join(MODEL_BY_NAME)}")
+    args.models = [MODEL_BY_NAME[m] for m in names] or list(MODELS)
+    args.tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+    args.passes = tuple(x for x in args.passes.split(",") if x)
+    if not set(args.passes) <= {"fwd", "dx"} or not args.passes:
+        p.error(f"--passes takes fwd and/or dx (dw does not run the grouped kernel), got "
+                f"{','.join(args.passes)}")
+    if args.quick:
+        args.models, args.tokens = args.models[::3], args.tokens[:2]
+    if not 1 <= args.candidates <= len(CANDIDATES):
+        p.error(f"--candidates must be 1..{len(CANDIDATES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     err, _ = gpu.gpu_check()
     if err:
         print(err, file=sys.stderr)
         return 1
     t0 = time.time()
+    cands = CANDIDATES[:args.candidates]
     with tempfile.TemporaryDirectory() as tmp:
-        names = candidate_layer(Path(tmp) / "candidates.yaml", "grouped", "gcand", CANDIDATES)
+        names = candidate_layer(Path(tmp) / "candidates.yaml", "grouped", "gcand", cands)
     plan = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                       warm_replays=1, est_min_ms=0.3)
     gen = torch.Generator().manual_seed(0)
+    if args.jobs > 0:
+        prebuild(names, [make_set(p, 2, 16, 64, 64, gen) for p in args.passes], args.jobs)
     l2 = gpu.l2_bytes()
     cap = torch.cuda.Stream()
-    models = MODELS[::3] if args.quick else MODELS
     rows = []
-    for model, experts, topk, tokens, proj, k, n in problems(models, TOKENS):
+    for model, tokens, proj, pass_ in problems(args.models, args.tokens, args.passes):
         if time.time() - t0 > args.max_seconds:
             print(f"time box reached after {len(rows)} problems", flush=True)
             break
-        sets = make_sets(experts, topk, tokens, k, n, gen, l2)
-        fns = {nm: (lambda nm_: lambda s: forced(nm_)(s))(nm) for nm in names}
-        fns["torch_grouped_mm"] = lambda s: torch._grouped_mm(s[0], s[1], s[2])
-        fns["torch_loop"] = torch_loop
-        fns["lt_loop"] = lt_loop
+        name, experts, topk = model[:3]
+        k, n = gemm_kn(model, proj, pass_)
+        lk, ln = (n, k) if pass_ == "dx" else (k, n)  # the layer's K -> N
+        n_rows = tokens * topk
+        count = min(4, n_sets_for(set_bytes(pass_, experts, n_rows, lk, ln), l2, QUICK_PLAN))
+        sets = [make_set(pass_, experts, n_rows, lk, ln, gen) for _ in range(count)]
+        fns = {nm: forced(nm) for nm in names}
+        fns.update(torch_grouped_mm=torch_grouped, torch_loop=torch_loop, lt_loop=lt_loop)
         us, errors, best = time_candidates(fns, sets, plan, cap, names)
         ok = check_bits(names, sets[0])
-        row = {"model": model, "experts": experts, "topk": topk, "tokens": tokens,
-               "rows": tokens * topk, "proj": proj, "K": k, "N": n,
-               "m_avg": math.ceil(tokens * topk / experts), "us": us, "bits_ok": ok,
+        row = {"model": name, "experts": experts, "topk": topk, "tokens": tokens,
+               "rows": n_rows, "proj": proj, "pass": pass_, "K": k, "N": n,
+               "m_avg": math.ceil(n_rows / experts), "us": us, "bits_ok": ok,
                "errors": errors}
-        peer = min(v for nm, v in us.items() if v and nm not in names)
-        print(f"{model:22s} T={tokens:6d} {proj:4s} m_avg={row['m_avg']:5d} K={k:5d} N={n:5d} "
-              f"best {best[1].split('.', 1)[1]:24s} {best[0]:8.1f} us  torch best {peer:8.1f}"
-              f"  {peer / best[0]:.2f}x  bits {ok}", flush=True)
+        peer = min((v for nm, v in us.items() if v and nm in PEERS), default=None)
+        print(f"{name:22s} T={tokens:6d} {proj:4s} {pass_:3s} m_avg={row['m_avg']:5d} K={k:5d} "
+              f"N={n:5d} best {best[1].split('.', 1)[1]:24s} {best[0]:8.1f} us  torch best "
+              + (f"{peer:8.1f}  {peer / best[0]:.2f}x" if peer else "-") + f"  bits {ok}",
+              flush=True)
         rows.append(row)
         del sets
-    write_records(args.out, names, rows)
+    write_records(args.out, names, rows, candidate_fields(names),
+                  seconds=round(time.time() - t0, 1))
     return 0
 
 

@@ -54,17 +54,27 @@ def _bucket(x, w):
     return dispatch.lookup("grouped", _NAMES[x.dtype], arch, max(1, -(-t // groups)), n, k)
 
 
-def _make_plan(bucket, x, w, out_dtype):
-    a_unit = "last" if _inner_unit(x.unsqueeze(0)) == "last" else None
-    b_unit = _inner_unit(w)
+def _operand_units(x, w):
+    """(x's unit dim, w's unit dim): None where the operand is staged into a K-major copy."""
+    return ("last" if _inner_unit(x.unsqueeze(0)) == "last" else None), _inner_unit(w)
+
+
+def kernel_key(bucket, x, w, out_dtype) -> kcompile.KernelKey:
+    """The kernel a call with these operands runs on `bucket` (also what a bench
+    prebuilds): w's layout picks the B form."""
+    b_unit = _operand_units(x, w)[1]
     b_form, b_contig = ("nk", "last") if b_unit is None else ("kn", b_unit)
-    key = kcompile.KernelKey.for_bucket(
+    return kcompile.KernelKey.for_bucket(
         bucket, dtype=_NAMES[x.dtype], out_dtype=_NAMES[out_dtype], a_major="k",
         b_form=b_form, b_contig=b_contig, has_bias=False, grouped=True,
         arch=_gpu_arch("sm90", x.device))
+
+
+def _make_plan(bucket, x, w, out_dtype):
+    a_unit, b_unit = _operand_units(x, w)
     max_clusters = max_clusters_for(x.device, bucket.cluster)
-    return _Plan(kcompile.get(key), a_unit is None, b_unit is None,
-                 padded_width(w.shape[2], out_dtype), max_clusters)
+    return _Plan(kcompile.get(kernel_key(bucket, x, w, out_dtype)), a_unit is None,
+                 b_unit is None, padded_width(w.shape[2], out_dtype), max_clusters)
 
 
 def _key(x, w, offs, out_dtype):
@@ -120,4 +130,4 @@ def _run(plan, x, w, offs, out_dtype):
 
 registry.on_change(_plans.clear)
 
-__all__ = ["grouped_mm", "planned"]
+__all__ = ["grouped_mm", "planned", "kernel_key"]
