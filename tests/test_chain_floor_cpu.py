@@ -177,3 +177,24 @@ def test_bench_gemm_floor_option(tmp_path):
     notes = []
     md = bg.append_floor(report, model, base, "# head\n", notes)
     assert "Against the floor" in md and "Against the floor" in open(base + ".md").read()
+
+
+def test_profile_shapes_cli():
+    mod = _load("profile_shapes")
+    args = mod.parse_args(["--shapes", "777x4096x11008", "4000x8192x1280", "--op", "dx"])
+    assert [(q.op, q.m, q.k, q.n) for q in args.problems] == [
+        ("dx", 777, 4096, 11008), ("dx", 4000, 8192, 1280)]
+    assert args.peer_list == ["detgemm", "cublaslt", "cublas"]
+    for bad in (["--shapes", "7x7"], ["--shapes", "8x8x8", "--peers", "mkl"],
+                ["--shapes", "8x8x8", "--peers", ","]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+
+
+def test_profile_shapes_without_gpu_exits_2(monkeypatch, capsys):
+    mod = _load("profile_shapes")
+    import detgemm_cute.benchlib.gpu as gpu
+
+    monkeypatch.setattr(gpu, "gpu_check", lambda: ("no CUDA device", None))
+    assert mod.main(["--shapes", "8x8x8"]) == 2
+    assert "Nothing was run" in capsys.readouterr().out
