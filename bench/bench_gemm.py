@@ -81,10 +81,17 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--probe-limit", type=int, default=12,
                    help="probe at most this many distinct fwd weights (spread over the suite)")
     p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead test")
+    p.add_argument("--floor", metavar="FILE.json",
+                   help="chain_floor_*.json of bench/bench_chain_floor.py (same machine, same "
+                        "command): every fwd row gets its floor max(bytes / copy bandwidth, "
+                        "K/16 x t_step) + launch and the ratio; an extra report section and "
+                        "<base>_floor.png")
     p.add_argument("--jobs", type=int, default=1,
                    help="compile the kernels the run needs in this many processes first "
                         "(into the AOT cache; default 1: each compiles on first use)")
     args = p.parse_args(argv)
+    if args.floor and not os.path.isfile(args.floor):
+        p.error(f"--floor: no such file: {args.floor}")
     if args.quick and args.suite == "core":
         args.suite = "quick"
     try:
@@ -247,6 +254,33 @@ def run(args, ctx, meta) -> dict:
             "overhead": overhead}
 
 
+def attach_floor(report, path: str):
+    """Put every fwd row against its floor (`benchlib.floor`); returns the model."""
+    from detgemm_cute.benchlib import floor
+
+    model = floor.FloorModel.load(path)
+    n = floor.attach(report["rows"], model)
+    report["floor"] = {"file": os.path.basename(path), "copy_tbs": model.copy_tbs,
+                       "launch_us": model.launch_us, "date": model.data.get("date"),
+                       "rows": n, "summary": floor.summary(report["rows"])}
+    return model
+
+
+def append_floor(report, model, base: str, md: str, notes: list) -> str:
+    """Add the floor section to base.md (and the returned markdown) and write
+    base_floor.png."""
+    from detgemm_cute.benchlib import floor
+
+    section = floor.render(report["rows"], model)
+    with open(base + ".md", "a") as f:
+        f.write("\n" + section + "\n")
+    note = floor.write_plot(report["rows"], base + "_floor.png",
+                            f"detgemm time / floor, {report['meta'].get('device')}")
+    if note:
+        notes.append(note)
+    return md + "\n" + section + "\n"
+
+
 def main(argv=None, prog=None) -> int:
     """`prog`: the command name usage lines show (`detgemm-cute bench` from the CLI)."""
     args = parse_args(argv, prog)
@@ -281,8 +315,11 @@ def main(argv=None, prog=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"gemm_{device_slug(meta['device'])}{results_suffix(args, arch)}")
+    floor_model = attach_floor(report, args.floor) if args.floor else None
     md, plot_notes = write_report(report, base, f"detgemm_cute vs cuBLAS, {meta['device']}, "
                                                 f"{args.dtype}, {meta['suite']}")
+    if floor_model is not None:
+        md = append_floor(report, floor_model, base, md, plot_notes)
     for n in plot_notes:
         log(n)
     log(f"wrote {base}.md, {base}.json" + ("" if plot_notes else f", {base}.png")
