@@ -7,7 +7,9 @@ tiny normal values, sums that cancel into the subnormal range. Every precision r
 fp16, fp32 at "ieee" and "tf32") on every kernel family the GPU runs, and each output is
 compared with the reference under every value of the subnormal-related choices
 (`subnormal_inputs`, `acc_subnormals`, `zero_acc`, `underflow_sign`). A family and precision
-is modelled when the default model matches every output.
+is modelled when the default model matches every output. A second table (`sub_ulp_sets`)
+takes blocks whose products all lie far below 2^-126 and whose sums land within a few
+subnormal steps of zero, against `align_floor` (the lowest alignment position).
 
     python bench/probe_subnormal.py [--family sm90|sm80|all] [--out DIR]
 
@@ -56,6 +58,42 @@ def inputs(kind: str, dtype: torch.dtype, seed: int):
 
 
 KINDS = ("subnormal_x", "mixed_x", "leading_subnormal", "cancel")
+
+
+def sub_ulp_sets(seed: int = 7) -> dict:
+    """Blocks whose products all lie far below fp32's normal range and whose sums land a
+    few subnormal steps (2^-149) from zero: where the alignment's lowest position shows.
+    4096 x 8 outputs each: K = 16 with subnormal bf16 W, K = 16 with normal bf16 inputs
+    around 2^-75, K = 32 (two blocks) with subnormal W."""
+    g = torch.Generator().manual_seed(seed)
+    m, n, sets = 4096, 8, {}
+    for kind, k in (("subnormal_w", 16), ("normal_tiny", 16), ("subnormal_w_2_blocks", 32)):
+        if kind == "normal_tiny":
+            x = (torch.randn(m, k, generator=g) * 2.0 ** -75).to(BF)
+            w = (torch.randn(k, n, generator=g) * 2.0 ** -75).to(BF)
+        else:
+            x = (torch.randn(m, k, generator=g) * 2.0 ** -17).to(BF)
+            steps = torch.randint(1, 128, (k, n), generator=g).float()
+            w = (steps * torch.sign(torch.randn(k, n, generator=g)) * 2.0 ** -133).to(BF)
+        sets[kind] = (x, w)
+    return sets
+
+
+def probe_sub_ulp(family: str, device: str) -> list:
+    rows = []
+    for kind, (x, w) in sub_ulp_sets().items():
+        with dg.use_family(family) if device != "cpu" else contextlib.nullcontext():
+            got = dg.mm(x.to(device), w.to(device), out_dtype=F32).cpu()
+        row = {"family": family, "precision": "bf16", "inputs": kind, "matches": {}}
+        for value, model in R.MODEL.variants("align_floor").items():
+            same = int((R.bits(R.mm(x, w, out_dtype=F32, model=model)) == R.bits(got)).sum())
+            row["matches"][f"align_floor={value}"] = f"{same}/{got.numel()}"
+        want = R.mm(x, w, out_dtype=F32)
+        row["default_matches"] = bool((R.bits(want) == R.bits(got)).all())
+        rows.append(row)
+        print(f"{family} bf16      {kind:22s} default={'yes' if row['default_matches'] else 'NO '} "
+              + " ".join(f"{k}:{v}" for k, v in row["matches"].items()), flush=True)
+    return rows
 PRECISIONS = (("bf16", BF, None), ("fp16", FP, None), ("fp32-ieee", F32, "ieee"),
               ("fp32-tf32", F32, "tf32"))
 
@@ -113,6 +151,7 @@ def main(argv=None) -> int:
     rows = []
     for fam in families:
         rows += probe(fam, args.device)
+        rows += probe_sub_ulp(fam, args.device)
     if args.case:
         from detgemm_cute.fuzz import Case, check  # noqa: F401 - Case is eval'd below
 

@@ -376,6 +376,17 @@ def test_nan_and_inf_follow_ieee():
     assert math.isnan(one([1.0], [1.0], bias=nan))
 
 
+def test_alignment_never_finer_than_2_to_the_minus_158():
+    """A block whose products all lie far below fp32's normal range: E is at least -133,
+    so a term below 2^-158 is cut away and the sum 2^-149 - 2^-170 lands on 2^-149 (the
+    H100 does this: exact sums a hair below a subnormal step came back on the step)."""
+    a, b = [2.0 ** -75, -(2.0 ** -85)], [2.0 ** -74, 2.0 ** -85]
+    assert one(a, b) == 2.0 ** -149
+    assert one(a, b, model=R.ChainModel(align_floor="none")) == 0.0
+    # Normal-range blocks are untouched: the same two terms scaled by 2^100.
+    assert one([2.0 ** 25, -(2.0 ** 15)], [2.0 ** -74, 2.0 ** -85]) == 2.0 ** -49 - 2.0 ** -70
+
+
 def test_zeros_and_signs():
     z = one([-0.0, 0.0], [1.0, -1.0])
     assert z == 0 and math.copysign(1, z) == 1  # an exactly-zero chain is +0
@@ -384,10 +395,13 @@ def test_zeros_and_signs():
     z = one([2.0, -2.0], [3.0, 3.0], bias=-0.0, out=FP16)
     assert z == 0 and math.copysign(1, z) == 1
     # A nonzero negative sum below 2^-149 becomes +0 (as measured), or -0 under IEEE.
-    z = one([-(2.0 ** -80)], [2.0 ** -80])
+    z = one([-(2.0 ** -75)], [2.0 ** -75])
     assert z == 0 and math.copysign(1, z) == 1
-    z = one([-(2.0 ** -80)], [2.0 ** -80], model=R.ChainModel(underflow_sign="keep"))
+    z = one([-(2.0 ** -75)], [2.0 ** -75], model=R.ChainModel(underflow_sign="keep"))
     assert z == 0 and math.copysign(1, z) == -1
+    # Below the alignment floor (2^-158) a lone term is cut to an exact zero: +0 either way.
+    z = one([-(2.0 ** -80)], [2.0 ** -80], model=R.ChainModel(underflow_sign="keep"))
+    assert z == 0 and math.copysign(1, z) == 1
     # Zero products do not raise E: 0 * 2^125 (nominal -1 if its exponent counted) would
     # cut the small term (bits 2^-40 .. 2^-54) to 0.
     small = (1 + 2.0 ** -7) ** 2 * 2.0 ** -40
