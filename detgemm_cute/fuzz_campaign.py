@@ -19,7 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .fuzz import KINDS, Summary, print_summary
+from .fuzz_summary import KINDS, Summary, print_summary
 
 _FORWARDED = ("seconds", "cases", "device", "ops", "max_macs", "shrink_seconds")
 

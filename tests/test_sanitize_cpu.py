@@ -71,7 +71,9 @@ def test_list_needs_no_gpu(capsys):
     assert sanitize.main(["--list", "--dedupe", "--quick", "--families", "sm90",
                           "--only", "grouped"]) == 0
     out = capsys.readouterr().out
-    assert "plan: 2 items" in out and "GEMM launches expected" in out
+    items = sc.items(("sm90",), only=("grouped",), quick=True, dedupe=True)
+    assert 1 <= len(items) <= 7  # one per kernel signature among the grouped buckets
+    assert f"plan: {len(items)} items" in out and "GEMM launches expected" in out
 
 
 def test_every_planned_call_passes_the_public_argument_checks():
