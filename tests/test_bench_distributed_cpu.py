@@ -6,23 +6,17 @@ gloo processes; not run here: minutes on a small CPU)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_path import bench_on_path
 
 
 @pytest.fixture(scope="module")
 def bd():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import bench_distributed
         import bench_distributed_report
         yield bench_distributed, bench_distributed_report
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_forwarded_options_parse_back(bd):

@@ -4,24 +4,17 @@ rows shaped like a GPU run's."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench_path import bench_on_path
 from detgemm_cute import registry
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
 def bd():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import bench_fp32_decode
         yield bench_fp32_decode
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_decode_candidates_are_valid_fp32_buckets(bd, tmp_path):

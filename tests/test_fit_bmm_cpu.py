@@ -7,25 +7,21 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench_path import bench_on_path
 from detgemm_cute import dispatch, registry
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
 def fb():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import fit_bmm
         yield fit_bmm
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(autouse=True)
@@ -128,11 +124,8 @@ def test_stored_records_fit_to_a_valid_layer(fb, tmp_path, capsys):
 
 
 def test_broad_sweep_problems():
-    sys.path.insert(0, str(BENCH))
-    try:
+    with bench_on_path():
         import sweep_bmm
-    finally:
-        sys.path.remove(str(BENCH))
     probs = sweep_bmm.broad_problems()
     assert len(probs) == len(set(probs))
     assert {d for *_, d in probs} == {64, 80, 96, 128}
