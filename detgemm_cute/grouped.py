@@ -59,10 +59,11 @@ def _operand_units(x, w):
     return ("last" if _inner_unit(x.unsqueeze(0)) == "last" else None), _inner_unit(w)
 
 
-def kernel_key(bucket, x, w, out_dtype) -> kcompile.KernelKey:
+def kernel_key(bucket, x, w, out_dtype, b_unit="derive") -> kcompile.KernelKey:
     """The kernel a call with these operands runs on `bucket` (also what a bench
-    prebuilds): w's layout picks the B form."""
-    b_unit = _operand_units(x, w)[1]
+    prebuilds): w's layout (`b_unit`, derived from w unless given) picks the B form."""
+    if b_unit == "derive":
+        b_unit = _operand_units(x, w)[1]
     b_form, b_contig = ("nk", "last") if b_unit is None else ("kn", b_unit)
     return kcompile.KernelKey.for_bucket(
         bucket, dtype=_NAMES[x.dtype], out_dtype=_NAMES[out_dtype], a_major="k",
@@ -73,7 +74,7 @@ def kernel_key(bucket, x, w, out_dtype) -> kcompile.KernelKey:
 def _make_plan(bucket, x, w, out_dtype):
     a_unit, b_unit = _operand_units(x, w)
     max_clusters = max_clusters_for(x.device, bucket.cluster)
-    return _Plan(kcompile.get(kernel_key(bucket, x, w, out_dtype)), a_unit is None,
+    return _Plan(kcompile.get(kernel_key(bucket, x, w, out_dtype, b_unit)), a_unit is None,
                  b_unit is None, padded_width(w.shape[2], out_dtype), max_clusters)
 
 
