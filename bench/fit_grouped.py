@@ -1,20 +1,23 @@
-"""Sweep records of `sweep_grouped.py` -> the ``op: grouped`` buckets of configs/sm90.yaml
-(no GPU).
+"""Sweep records of `sweep_grouped.py` -> the ``op: grouped`` (or, with ``--op grouped_k``,
+``op: grouped_k``) buckets of configs/sm90.yaml (no GPU).
 
-    python bench/fit_grouped.py SWEEP.json[.gz] [...] [--max-buckets 8] [--tol 0.02]
-        [--layer grouped.yaml] [--write-table configs/sm90.yaml] [--report fit.md]
+    python bench/fit_grouped.py SWEEP.json[.gz] [...] [--op grouped|grouped_k]
+        [--max-buckets 8] [--tol 0.02] [--layer grouped.yaml]
+        [--write-table configs/sm90.yaml] [--report fit.md]
 
-Each row of a record is a point (m_avg = ceil(T / G), N, K) of the grouped table's key with
-the time of every candidate and of the torch peers (torch._grouped_mm, the per-expert loop,
-that loop under cuBLASLt without split-K). The boxes come from `detgemm_cute.tune.table`
+Each row of a record is a point of the table's key -- grouped: (m_avg = ceil(T / G), N, K);
+grouped_k (the dw pass): (M, N, ceil(T / G)) -- with the time of every candidate and of the
+torch peers (torch._grouped_mm, the per-expert loop, that loop under cuBLASLt without
+split-K). Rows of the other op's passes are left out. The boxes come from `detgemm_cute.tune.table`
 (`build_boxes`: split (M, N, K) where one candidate is more than `tol` slower than a point's
 best, at most `max_buckets` boxes, then merge neighbours with the same pick), so the buckets
 cover every (M, N, K) exactly once. Prints, per row, the current table's pick and the fitted
 pick against the better torch path, and the same with each model left out of the fit.
 
 `--layer` writes the buckets as a user layer (try it with DETGEMM_CUTE_CONFIG before changing
-the table); `--write-table` replaces the table's grouped block, between the lines
-`# >>> grouped buckets` and `# <<< grouped buckets`. The output depends on the records only.
+the table); `--write-table` replaces the table's block of the op, between the lines
+`# >>> grouped buckets` and `# <<< grouped buckets` (`grouped_k buckets` for grouped_k). The
+output depends on the records only.
 """
 
 from __future__ import annotations
@@ -32,7 +35,22 @@ from detgemm_cute.tune.layer import bucket_lines
 from detgemm_cute.tune.table import Point, build_boxes, bucket_name
 
 PEERS = ("torch_grouped_mm", "torch_loop", "lt_loop")
-BEGIN, END = "# >>> grouped buckets", "# <<< grouped buckets"
+OPS = ("grouped", "grouped_k")
+DW_PASS = "dw"  # the pass grouped_k buckets serve
+
+
+def markers(op: str) -> tuple[str, str]:
+    return f"# >>> {op} buckets", f"# <<< {op} buckets"
+
+
+def table_key(row) -> tuple[int, int, int]:
+    """The point a row is in its table's key: grouped (m_avg, N, K), grouped_k (M, N,
+    ceil(T / G)) -- the sweep writes the latter as `table_key`."""
+    return tuple(row["table_key"]) if "table_key" in row else (row["m_avg"], row["N"], row["K"])
+
+
+def op_of(row) -> str:
+    return "grouped_k" if row.get("pass") == DW_PASS else "grouped"
 _NAME = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?$")
 
 
@@ -70,15 +88,17 @@ def peer_us(row) -> tuple[float | None, str | None]:
     return min(got) if got else (None, None)
 
 
-def points_of(rows, names) -> list[Point]:
+def points_of(rows, names, op="grouped") -> list[Point]:
     pts = []
     for r in rows:
+        if op_of(r) != op:
+            continue
         times = {nm: r["us"][nm] for nm in names if r["us"].get(nm)}
         peer = peer_us(r)[0]
         if not times or peer is None:
             continue
         label = f"{r['model']} T={r['tokens']} {r['proj']} {r.get('pass', 'fwd')}"
-        pts.append(Point(r["m_avg"], r["N"], r["K"], times, {"torch": peer}, label))
+        pts.append(Point(*table_key(r), times, {"torch": peer}, label))
     return pts
 
 
@@ -86,7 +106,7 @@ def key_of(fields: dict) -> tuple:
     return (tuple(fields["tile"]), tuple(fields.get("cluster", (1, 1))), fields["stages"])
 
 
-def table_picker(names, fields, table_path=None):
+def table_picker(names, fields, table_path=None, op="grouped"):
     """pick(point) -> the candidate the table (built-in, or the file at `table_path`) runs
     there, or None when it runs a kernel no candidate matches."""
     by_key = {key_of(fields[nm]): nm for nm in names}
@@ -97,7 +117,7 @@ def table_picker(names, fields, table_path=None):
                                 registry.generation())
 
     def pick(p: Point):
-        b = reg.lookup("grouped", "bf16", p.m, p.n, p.k)
+        b = reg.lookup(op, "bf16", p.m, p.n, p.k)
         return by_key.get((tuple(b.tile), tuple(b.cluster), b.stages))
     return pick
 
@@ -143,38 +163,43 @@ def leave_one_model_out(points, names, tol, max_buckets) -> list[float | None]:
     return out
 
 
-def bucket_note(box, meta) -> str:
+def bucket_note(box, meta, op="grouped") -> str:
     sp = [s for s in speeds(box.points, lambda p: box.choice) if s]
-    ms = [p.m for p in box.points]
+    ms = [p.m if op == "grouped" else p.k for p in box.points]
+    what = "rows" if op == "grouped" else "tokens"
     return (f"{meta.get('device', '?')} {meta.get('date', '?')[:10]}, {len(box.points)} MoE "
-            f"GEMMs with {min(ms)}..{max(ms)} rows per expert: {geomean(sp):.3f}x the better "
+            f"GEMMs with {min(ms)}..{max(ms)} {what} per expert: {geomean(sp):.3f}x the better "
             f"of torch._grouped_mm and a per-expert torch.mm loop (geomean, CUDA graphs), "
             f"worst {min(sp):.2f}x" if sp else "no measured points")
 
 
-def block_lines(boxes, fields, meta, header) -> list[str]:
-    """The table's grouped block: marker, comment, one bucket per box, marker."""
-    lines = [f"  {BEGIN} (written by bench/fit_grouped.py; refit rather than edit)"]
+def block_lines(boxes, fields, meta, header, op="grouped") -> list[str]:
+    """The table's block of `op`: marker, comment, one bucket per box, marker."""
+    begin, end = markers(op)
+    flag = "" if op == "grouped" else f" --op {op}"
+    lines = [f"  {begin} (written by bench/fit_grouped.py{flag}; refit rather than edit)"]
     lines += [f"  # {h}".rstrip() for h in header]
     for box in boxes:
-        name = bucket_name("grouped", box.ranges).replace("tuned_grouped_", "grouped_")
+        name = bucket_name(op, box.ranges).replace(f"tuned_{op}_", f"{op}_")
         f = fields[box.choice]
         lines += bucket_lines(
-            {"name": name, "op": "grouped", "dtypes": ["bf16", "fp16"],
+            {"name": name, "op": op, "dtypes": ["bf16", "fp16"],
              "m": list(box.ranges[0]), "n": list(box.ranges[1]), "k": list(box.ranges[2]),
              "tile": list(f["tile"]), "cluster": list(f.get("cluster", (1, 1))),
-             "stages": f["stages"], "persistent": True, "note": bucket_note(box, meta)})
+             "stages": f["stages"], "persistent": True,
+             "note": bucket_note(box, meta, op)})
         lines.append("")
-    return lines[:-1] + [f"  {END}"]
+    return lines[:-1] + [f"  {end}"]
 
 
-def replace_block(text: str, block: list[str]) -> str:
+def replace_block(text: str, block: list[str], op="grouped") -> str:
+    begin, end = markers(op)
     lines = text.splitlines()
     try:
-        lo = next(i for i, ln in enumerate(lines) if ln.strip().startswith(BEGIN))
-        hi = next(i for i, ln in enumerate(lines) if ln.strip().startswith(END))
+        lo = next(i for i, ln in enumerate(lines) if ln.strip().startswith(begin))
+        hi = next(i for i, ln in enumerate(lines) if ln.strip().startswith(end))
     except StopIteration:
-        raise ValueError(f"the table has no '{BEGIN}' ... '{END}' block") from None
+        raise ValueError(f"the table has no '{begin}' ... '{end}' block") from None
     return "\n".join(lines[:lo] + block + lines[hi + 1:]) + "\n"
 
 
@@ -202,15 +227,16 @@ def short(name) -> str:
     return "-" if name is None else name.split(".", 1)[-1].replace("x64_", "_").replace("_p", "")
 
 
-def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True):
+def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True, op="grouped"):
     """(report lines, table block lines) from the records at `paths` (`leave_out`: also score
     each model under a fit without it, one more fit per model)."""
     meta, names, fields, rows = read_records(paths)
-    points = points_of(rows, names)
+    points = points_of(rows, names, op)
     if not points:
-        raise ValueError("the records hold no row with a candidate and a torch peer timed")
+        raise ValueError(f"the records hold no {op} row with a candidate and a torch peer "
+                         f"timed")
     boxes = build_boxes(points, names, tol, max_buckets)
-    current, fitted = table_picker(names, fields, table), box_picker(boxes)
+    current, fitted = table_picker(names, fields, table, op), box_picker(boxes)
     loo = leave_one_model_out(points, names, tol, max_buckets) if leave_out else [None]
     oracle = [p.peers["torch"] / p.best for p in points]
     head = [f"{len(points)} MoE GEMMs ({len({p.label.split(' ')[0] for p in points})} models),"
@@ -220,20 +246,24 @@ def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True):
             "fitted, each model left out: "
             + (summary(loo) if leave_out else "not run (--no-leave-out)"),
             f"best candidate per GEMM: {summary(oracle)}"]
-    passes = " and ".join(sorted({r.get("pass", "fwd") for r in rows}))
+    passes = " and ".join(sorted({r.get("pass", "fwd") for r in rows if op_of(r) == op}))
+    keyed = ("the rows per expert on average (ceil(T / G)), N and K" if op == "grouped"
+             else "M, N and the tokens per expert on average (ceil(T / G))")
     header = [f"Fitted from bench/sweep_grouped.py on {meta.get('device', '?')} "
               f"({meta.get('date', '?')[:10]}): {len(points)} MoE GEMMs",
-              f"({passes}, {len(names)} candidates), keyed by the rows per expert on average "
-              f"(ceil(T / G)), N and K.", "On those GEMMs, " + head[2] + ";", head[3] + "."]
+              f"({passes}, {len(names)} candidates), keyed by {keyed}.",
+              "On those GEMMs, " + head[2] + ";", head[3] + "."]
     report = head + [""] + row_table(points, {"current": current, "fitted": fitted}) + [""]
     report += [f"box m {b.ranges[0]} n {b.ranges[1]} k {b.ranges[2]}: {short(b.choice)} "
                f"({len(b.points)} GEMMs)" for b in boxes]
-    return report, block_lines(boxes, fields, meta, header)
+    return report, block_lines(boxes, fields, meta, header, op)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("records", nargs="+")
+    p.add_argument("--op", choices=OPS, default="grouped",
+                   help="the table block to fit: grouped (fwd/dx rows) or grouped_k (dw rows)")
     p.add_argument("--tol", type=float, default=0.02)
     p.add_argument("--max-buckets", type=int, default=8)
     p.add_argument("--table", help="score this table as 'current' (default: the built-in)")
@@ -246,7 +276,7 @@ def main(argv=None) -> int:
     if args.max_buckets < 1 or not 0 <= args.tol < 1:
         p.error("--max-buckets must be >= 1 and --tol in [0, 1)")
     report, block = fit(args.records, args.tol, args.max_buckets, args.table,
-                        not args.no_leave_out)
+                        not args.no_leave_out, args.op)
     print("\n".join(report))
     if args.report:
         Path(args.report).write_text("\n".join(report) + "\n")
@@ -255,9 +285,9 @@ def main(argv=None) -> int:
         registry.load_config(args.layer, arch="sm90")  # validates it
     if args.write_table:
         path = Path(args.write_table)
-        path.write_text(replace_block(path.read_text(), block))
+        path.write_text(replace_block(path.read_text(), block, args.op))
         registry.load_config(path, arch="sm90", complete=True)  # validates it
-        print(f"wrote the grouped block of {path}")
+        print(f"wrote the {args.op} block of {path}")
     return 0
 
 

@@ -13,8 +13,8 @@ torch._grouped_mm wants them. Each layer runs in three passes:
 | dw | grouped_mm(x^T, dy, offs) -> [E, K, N] | the same call | x_g^T @ dy_g |
 
 (autograd's own calls for `grouped_mm(x, w, offs)`). fwd and dx are one launch of the grouped
-kernel, keyed by (ceil(T / E), N, K) of that pass's GEMM; dw runs one GEMM per expert and
-reads offs on the host, so no CUDA graph captures it (the bench times that pass eagerly).
+kernel, keyed by (ceil(T / E), N, K) of that pass's GEMM; dw is one launch of the grouped-K
+kernel, keyed by (K, N, ceil(T / E)); all three read offs on the device only.
 Importing this module touches no CUDA state.
 """
 
@@ -54,8 +54,8 @@ def layer_dims(model) -> list[tuple[str, int, int]]:
 
 def gemm_dims(pass_: str, k: int, n: int, rows: int, experts: int) -> tuple[int, int, int]:
     """(m_avg, N, K) the dispatch table sees for this pass of a layer with K -> N (fwd: the
-    grouped table's key; dx: the same with K and N swapped; dw: the dw table's M=K, N=N and
-    K = rows per expert on average)."""
+    grouped table's key; dx: the same with K and N swapped; dw: the grouped_k table's M=K,
+    N=N and K = rows per expert on average)."""
     m_avg = max(1, math.ceil(rows / experts))
     return {"fwd": (m_avg, n, k), "dx": (m_avg, k, n), "dw": (k, n, m_avg)}[pass_]
 

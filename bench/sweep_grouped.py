@@ -1,6 +1,6 @@
 """Time grouped-kernel candidates on mixture-of-experts layers of public models (needs an
-SM90 GPU): the data the ``op: grouped`` buckets of configs/sm90.yaml are fitted from
-(`fit_grouped.py`).
+SM90 GPU): the data the ``op: grouped`` and ``op: grouped_k`` buckets of configs/sm90.yaml
+are fitted from (`fit_grouped.py`).
 
 For every (model, token count, projection, pass) the candidates (`CANDIDATES`, declared as
 the alternatives of one user bucket and forced by name), `torch._grouped_mm`, a per-expert
@@ -9,8 +9,10 @@ the alternatives of one user bucket and forced by name), `torch._grouped_mm`, a 
 forward (expert weights as nn.Linear's [E, N, K], passed as the [E, K, N] view) and dX
 (autograd's grouped call with the row-major [E, N, K] weight); both run the grouped kernel,
 whose table is keyed by (ceil(T / E), N, K) of the pass's own GEMM, which a row records as
-m_avg, N, K. Every candidate's output must have the bits of the first one, and the largest
-group's rows the bits of `dg.mm` on them.
+m_avg, N, K. The dw pass (a = x^T, b = dY: the 2-D x 2-D form) runs the grouped-K kernel
+with its own candidates (`CANDIDATES_K`); its table is keyed by (K, N, ceil(T / E)), which a
+row records as `table_key`. Every candidate's output must have the bits of the first one, and
+the largest group's rows (dw: entry) the bits of `dg.mm` on them.
 
 Problems run in priority order (issue 41's layers first, then every model at one token count
 before the next count), so a run cut by --max-seconds still spans every model.
@@ -29,11 +31,11 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import dispatch, grouped
+from detgemm_cute import dispatch, grouped, grouped_k
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for
-from moe_layers import (MODEL_BY_NAME, MODELS, layer_dims, largest_group, lt_loop, make_set,
-                        set_bytes, torch_grouped, torch_loop)
+from moe_layers import (MODEL_BY_NAME, MODELS, group_bits_equal_mm, layer_dims, lt_loop,
+                        make_set, set_bytes, torch_grouped, torch_loop)
 from sweep_common import candidate_layer, time_candidates, write_records
 
 # Token counts, in the order they are run (the time box cuts the last ones).
@@ -50,6 +52,12 @@ CANDIDATES = [  # persistent, cooperative (the grouped kernel): tile, cluster [1
         # against wave quantization, a 256-row tile without a cluster
         ((128, 256, 64), (1, 4), 4), ((64, 256, 64), (1, 4), 5), ((256, 192, 64), (1, 2), 3),
         ((128, 224, 64), (1, 2), 4), ((128, 160, 64), (1, 2), 5), ((256, 128, 64), (1, 1), 4))]
+# The grouped-K kernel (dw pass): persistent, cooperative; clusters of either shape.
+CANDIDATES_K = [
+    {"tile": t, "cluster": c, "stages": s, "persistent": True} for t, c, s in (
+        ((128, 256, 64), (1, 2), 4), ((128, 256, 64), (1, 1), 4), ((128, 256, 64), (2, 1), 4),
+        ((128, 128, 64), (1, 1), 6), ((128, 128, 64), (1, 2), 6), ((128, 192, 64), (1, 2), 4),
+        ((64, 256, 64), (1, 1), 5), ((256, 128, 64), (1, 2), 4))]
 PEERS = ("torch_grouped_mm", "torch_loop", "lt_loop")
 
 
@@ -83,13 +91,11 @@ def forced(name):
 
 
 def check_bits(names, s) -> bool:
-    """All candidates give the first one's bits, and the largest group's rows are dg.mm's."""
-    x, w, _offs, ends = s
+    """All candidates give the first one's bits, and the largest group's rows (dw: entry)
+    are dg.mm's."""
     outs = [forced(nm)(s) for nm in names]
     same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
-    g, start, end = largest_group(ends)
-    ref = dg.mm(x[start:end], w[g])
-    return same and torch.equal(outs[0][start:end].view(torch.int16), ref.view(torch.int16))
+    return same and group_bits_equal_mm(outs[0], s)
 
 
 def prebuild(names, sample_sets, jobs: int, log=print) -> None:
@@ -98,8 +104,9 @@ def prebuild(names, sample_sets, jobs: int, log=print) -> None:
     from detgemm_cute import aot_cache
     from detgemm_cute.parallel_compile import compile_all
 
-    keys = [grouped.kernel_key(dispatch.bucket_by_name("sm90", nm), s[0], s[1], s[0].dtype)
-            for nm in names for s in sample_sets]
+    keys = [(grouped_k.kernel_key if s[1].dim() == 2 else grouped.kernel_key)(
+                dispatch.bucket_by_name("sm90", nm), s[0], s[1], s[0].dtype)
+            for nm in names for s in sample_sets if _serves(nm, s)]
     directory = aot_cache.cache_dir()
     if directory is None:
         directory = tempfile.mkdtemp(prefix="detgemm-sweep-aot-")
@@ -108,6 +115,11 @@ def prebuild(names, sample_sets, jobs: int, log=print) -> None:
     log(f"compiling {len(keys)} kernels in {jobs} processes into {directory}")
     for key, why in compile_all(keys, directory, jobs).items():
         log(f"could not prebuild {key.tile} c{key.cluster}: {why} (compiled on first use)")
+
+
+def _serves(name, s) -> bool:
+    """Whether candidate `name` runs the form of set `s` (grouped_k: the 2-D x 2-D one)."""
+    return (dispatch.bucket_by_name("sm90", name).op == "grouped_k") == (s[1].dim() == 2)
 
 
 def candidate_fields(names) -> dict:
@@ -126,7 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="every third model, two token counts")
     p.add_argument("--models", default="", help="comma-separated model names (default: all)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--passes", default="fwd,dx", help="fwd and/or dx")
+    p.add_argument("--passes", default="fwd,dx", help="fwd, dx and/or dw")
     p.add_argument("--candidates", type=int, default=len(CANDIDATES),
                    help="the first N candidates only")
     p.add_argument("--jobs", type=int, default=0, help="prebuild the kernels in N processes")
@@ -139,9 +151,8 @@ def parse_args(argv=None):
     args.models = [MODEL_BY_NAME[m] for m in names] or list(MODELS)
     args.tokens = tuple(int(t) for t in args.tokens.split(",") if t)
     args.passes = tuple(x for x in args.passes.split(",") if x)
-    if not set(args.passes) <= {"fwd", "dx"} or not args.passes:
-        p.error(f"--passes takes fwd and/or dx (dw does not run the grouped kernel), got "
-                f"{','.join(args.passes)}")
+    if not set(args.passes) <= {"fwd", "dx", "dw"} or not args.passes:
+        p.error(f"--passes takes fwd, dx and/or dw, got {','.join(args.passes)}")
     if args.quick:
         args.models, args.tokens = args.models[::3], args.tokens[:2]
     if not 1 <= args.candidates <= len(CANDIDATES):
@@ -156,9 +167,15 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         return 1
     t0 = time.time()
-    cands = CANDIDATES[:args.candidates]
+    by_pass = {}
     with tempfile.TemporaryDirectory() as tmp:
-        names = candidate_layer(Path(tmp) / "candidates.yaml", "grouped", "gcand", cands)
+        if {"fwd", "dx"} & set(args.passes):
+            by_pass["fwd"] = by_pass["dx"] = candidate_layer(
+                Path(tmp) / "candidates.yaml", "grouped", "gcand", CANDIDATES[:args.candidates])
+        if "dw" in args.passes:
+            by_pass["dw"] = candidate_layer(Path(tmp) / "candidates_k.yaml", "grouped_k",
+                                            "gkcand", CANDIDATES_K[:args.candidates])
+    names = list(dict.fromkeys(nm for p in args.passes for nm in by_pass[p]))
     plan = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                       warm_replays=1, est_min_ms=0.3)
     gen = torch.Generator().manual_seed(0)
@@ -177,14 +194,16 @@ def main(argv=None) -> int:
         n_rows = tokens * topk
         count = min(4, n_sets_for(set_bytes(pass_, experts, n_rows, lk, ln), l2, QUICK_PLAN))
         sets = [make_set(pass_, experts, n_rows, lk, ln, gen) for _ in range(count)]
-        fns = {nm: forced(nm) for nm in names}
+        fns = {nm: forced(nm) for nm in by_pass[pass_]}
         fns.update(torch_grouped_mm=torch_grouped, torch_loop=torch_loop, lt_loop=lt_loop)
-        us, errors, best = time_candidates(fns, sets, plan, cap, names)
-        ok = check_bits(names, sets[0])
+        us, errors, best = time_candidates(fns, sets, plan, cap, by_pass[pass_])
+        ok = check_bits(by_pass[pass_], sets[0])
         row = {"model": name, "experts": experts, "topk": topk, "tokens": tokens,
                "rows": n_rows, "proj": proj, "pass": pass_, "K": k, "N": n,
                "m_avg": math.ceil(n_rows / experts), "us": us, "bits_ok": ok,
                "errors": errors}
+        if pass_ == "dw":
+            row["table_key"] = [k, n, row["m_avg"]]
         peer = min((v for nm, v in us.items() if v and nm in PEERS), default=None)
         print(f"{name:22s} T={tokens:6d} {proj:4s} {pass_:3s} m_avg={row['m_avg']:5d} K={k:5d} "
               f"N={n:5d} best {best[1].split('.', 1)[1]:24s} {best[0]:8.1f} us  torch best "

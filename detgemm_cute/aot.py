@@ -94,6 +94,17 @@ def _variants(bucket, which: str):
                     yield dict(dtype=dtype, out_dtype="fp32", a_major=a_major, b_form=b_form,
                                b_contig=b_contig, has_bias=False, accumulate=acc)
         return
+    if bucket.op == "grouped_k":
+        # grouped_mm's 2-D x 2-D form as the MoE backward makes it: a = x^T (M-major), b = dy
+        # (N contiguous); "all" adds a and b with T contiguous.
+        layouts = (("m", "kn", "last"),) if which == "core" else (
+            ("m", "kn", "last"), ("k", "kn", "last"), ("m", "kn", "first"), ("k", "kn", "first"))
+        for dtype in bucket.dtypes:
+            for out in ((dtype,) if which == "core" else (dtype, "fp32")):
+                for a_major, b_form, b_contig in layouts:
+                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
+                               b_contig=b_contig, has_bias=False, grouped_k=True)
+        return
     if bucket.op in ("bmm", "grouped"):
         # bmm: one launch per batch, q @ k^T (B a transposed view) and p @ v; grouped: expert
         # weights [G, K, N] with K or N contiguous (or staged, "all"), x K-major.
@@ -136,7 +147,7 @@ def _bucket_keys(bucket, arch: str, which: str):
         key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)
         yield call, key
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
-                     or call["dtype"] == "tf32")
+                     or call["dtype"] == "tf32")  # grouped_k stores like a plain GEMM
         if which == "all" and stores_direct(family, bucket, plain):
             twin = kcompile.KernelKey.for_bucket(bucket, arch=arch, c_direct=True, **call)
             yield {**call, "c_direct": True}, plan_key(twin) if call.get("batched") else twin
@@ -151,6 +162,7 @@ def _label(name: str, call: dict) -> str:
             + (" acc" if call.get("accumulate") else "")
             + (" batched" if call.get("batched") else "")
             + (" grouped" if call.get("grouped") else "")
+            + (" grouped-k" if call.get("grouped_k") else "")
             + (" split(fp32)" if call.get("split") else "")
             + (" direct-store" if call.get("c_direct") else "")
             + (" tf32" if call["dtype"] == "tf32" else ""))

@@ -13,11 +13,12 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 - 3-D x 3-D without offs: `bmm`.
 
 The 2-D x 3-D form with bf16/fp16 inputs on SM90 is one launch of the grouped kernel (see
-`grouped`), which reads ``offs`` on the device only: no sync, and a CUDA graph captures it.
-The kernel checks offs itself (a device-side assert: a bad entry is printed and the launch
+`grouped`), and the 2-D x 2-D form one launch of the grouped-K kernel (see `grouped_k`);
+both read ``offs`` on the device only: no sync, and a CUDA graph captures the call. The
+kernels check offs themselves (a device-side assert: a bad entry is printed and the launch
 fails, as torch's device asserts do).
-Other grouped calls (SM80, fp32 inputs, more groups than the kernel's table holds, the 2-D x
-2-D form) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
+Other grouped calls (SM80, fp32 inputs, more groups than the grouped kernel's table holds,
+2-D x 2-D operands TMA cannot read in place) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
 graph) and launch one GEMM per non-empty group, spread over a few side streams so
 consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
 Measured on an H100 (probes summarised in bench/results/README.md): four side streams
@@ -39,7 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import batched, grouped, split
+from . import batched, grouped, grouped_k, split
 from .errors import GEMM_DTYPES, check_bmm_args, check_operand_dtypes, check_out_and_bias
 from .gemm import gemm
 
@@ -237,7 +238,8 @@ def _table_for(w: Tensor) -> str:
 
 def _grouped_impl(a, b, offs, out_dtype, op):
     if offs is not None:  # a warm one-launch call: its key passed the checks before
-        y = grouped.planned(a, b, offs, out_dtype)
+        y = (grouped_k.planned if getattr(b, "ndim", 0) == 2 else grouped.planned)(
+            a, b, offs, out_dtype)
         if y is not None:
             return y
     form = check_grouped_args(a, b, offs, out_dtype, op)
@@ -264,6 +266,10 @@ def _grouped_impl(a, b, offs, out_dtype, op):
             start = end
     else:
         m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
+        if a.is_cuda:
+            y = grouped_k.grouped_mm_k(a, b, offs, dt)  # one launch; offs checked on the device
+            if y is not None:
+                return y
         ends = _group_ends(offs, t, op)
         out = torch.zeros((len(ends), m, n), dtype=dt, device=a.device)
         start = 0

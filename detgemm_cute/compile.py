@@ -57,6 +57,10 @@ class KernelKey:
     # Row groups of A and C with their own B ([G, ., .]; grouped_mm's mixture-of-experts
     # form): the kernel takes the groups' int32 cumulative row ends instead of a bias.
     grouped: bool = False
+    # Groups along K (grouped_mm's 2-D x 2-D form, a mixture-of-experts weight gradient):
+    # A [M, T] and B [T, N] with their column / row groups given by int32 cumulative ends
+    # along T, C [G, M, N]; each entry is the chain over its group alone.
+    grouped_k: bool = False
     # The tile's threads store each staged sub-tile (bounds-checked) instead of a TMA box:
     # for C's rows that do not start on 16 bytes (N not a multiple of 8 at 16 bits; no padded
     # buffer, no copy back), and in bmm for rows TMA would store as half sectors (sm90,
@@ -103,7 +107,7 @@ def _make_fakes(key: KernelKey):
     # A and B get their own K: a staged (zero-padded) operand may be longer in K than the
     # other; the kernel counts k tiles from A and TMA zero-fills B past its end.
     m, n, k_a, k_b = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    batch = cute.sym_int() if key.batched or key.grouped else None
+    batch = cute.sym_int() if key.batched or key.grouped or key.grouped_k else None
 
     def shaped(shape, batched):  # torch order [L, rows, cols] for a batch
         return (batch, *shape) if batched else shape
@@ -119,10 +123,15 @@ def _make_fakes(key: KernelKey):
                    needs.tma_operand(key.b_contig == "last", b_batched))
     c_need = (needs.c_direct(key.swap_ab, key.batched) if key.c_direct  # any row stride
               else needs.tma_operand(not key.swap_ab, key.batched))  # swapped: M-major view
-    c = needs.fake(out_t, shaped((m, n), key.batched), c_need)
+    c_batched = key.batched or key.grouped_k
+    if key.c_direct:
+        c_need = needs.c_direct(key.swap_ab, c_batched)
+    elif key.grouped_k:
+        c_need = needs.tma_operand(True, True)
+    c = needs.fake(out_t, shaped((m, n), c_batched), c_need)
     bias_len = m if key.swap_ab else n
     bias = needs.fake(in_t, (bias_len,), needs.BIAS) if key.has_bias else None
-    if key.grouped:  # the groups' cumulative row ends take the bias's place
+    if key.grouped or key.grouped_k:  # the groups' cumulative ends take the bias's place
         bias = needs.fake(cutlass.Int32, (batch,), needs.OFFS)
     return a, b, c, bias, make_fake_stream(use_tvm_ffi_env_stream=True)
 
@@ -166,17 +175,17 @@ def kernel_module(gpu_arch: str):
 
 def build(key: KernelKey, extra_options: str = ""):
     """Compile `key` (no caching). Returns the TVM-FFI callable ``f(a, b, c, bias, max_clusters)``
-    (grouped: ``f(a, b, c, offs, max_clusters)``).
+    (grouped, grouped_k: ``f(a, b, c, offs, max_clusters)``).
 
     `extra_options` passes DSL flags through, e.g. ``--keep-ptx --dump-dir=D`` for audits."""
     import cutlass.cute as cute
 
     import cutlass
 
-    if key.grouped and family_of(key.arch) != "sm90":
+    if (key.grouped or key.grouped_k) and family_of(key.arch) != "sm90":
         raise ValueError(f"grouped kernels are sm90 only, not {key.arch}")
     kernel_class = kernel_module(key.arch).kernel_class(key.persistent, key.pingpong,
-                                                        key.grouped)
+                                                        key.grouped, key.grouped_k)
     gemm = kernel_class(key.tile, key.cluster, key.stages, b_is_kn=key.b_form == "kn",
                         has_bias=key.has_bias, accumulate=key.accumulate, **_kernel_options(key))
     a, b, c, bias, stream = _make_fakes(key)

@@ -78,7 +78,7 @@ def _make_plan(bucket, x, w, out_dtype):
                  b_unit is None, padded_width(w.shape[2], out_dtype), max_clusters)
 
 
-def _key(x, w, offs, out_dtype):
+def plan_key(x, w, offs, out_dtype):
     """Everything the plan and the input checks depend on (attribute reads, one tuple)."""
     return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, x.device, w.device,
             out_dtype, offs.shape, offs.dtype, offs.device, not x.data_ptr() & 15,
@@ -89,7 +89,7 @@ def planned(x, w, offs, out_dtype) -> torch.Tensor | None:
     """The warm call: out [T, N] when a call with this key was checked and planned before
     (so its arguments pass the checks), else None (the caller checks, then `grouped_mm`)."""
     try:
-        key = _key(x, w, offs, out_dtype or x.dtype)
+        key = plan_key(x, w, offs, out_dtype or x.dtype)
     except AttributeError:  # not tensors: the caller's checks name them
         return None
     plan = _plans.get(key)
@@ -100,7 +100,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor | None:
     """out [T, N] in one launch (checked inputs on a CUDA device, K and N >= 1), or None
     when this call runs one GEMM per group (see `_bucket`)."""
-    key = _key(x, w, offs, out_dtype)
+    key = plan_key(x, w, offs, out_dtype)
     plan = _plans.get(key)
     if plan is None:
         bucket = _bucket(x, w)

@@ -48,7 +48,7 @@ def _builtin_dir() -> Path:
 
 BUILTIN_DIR = _builtin_dir()
 ENV_VAR = "DETGEMM_CUTE_CONFIG"
-OPS = ("fwd", "dx", "dw", "bmm", "grouped")
+OPS = ("fwd", "dx", "dw", "bmm", "grouped", "grouped_k")
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # Every op of a built-in table serves these; fp32 (the split tier) is optional per arch, but
 # where an op has fp32 buckets they must cover every (M, N, K) as well.
@@ -61,8 +61,10 @@ TF32_OPS = ("fwd", "dx", "bmm")  # fp32 bmm at "ieee" runs entry by entry on fwd
 # Ops whose buckets may swap operands (compute C^T); bmm/grouped do not.
 SWAP_OPS = ("fwd", "dx", "dw")
 # grouped buckets (grouped_mm's mixture-of-experts form in one launch; keyed by the rows per
-# group on average, N and K) run the persistent cooperative grouped kernel, which exists in
-# the families whose limits module sets GROUPED.
+# group on average, N and K) run the persistent cooperative grouped kernel, and grouped_k
+# buckets (its 2-D x 2-D weight-gradient form; keyed by M, N and the tokens per group on
+# average) the grouped-K kernel; both exist in the families whose limits module sets GROUPED.
+GROUPED_OPS = ("grouped", "grouped_k")
 # arch -> module (under detgemm_cute) holding `check_config` for that kernel family.
 LIMITS_MODULES = {"sm90": "kernels.sm90_limits", "sm80": "kernels.sm80_limits"}
 FAMILY_NAMES = {"sm90": "SM90 (TMA + WGMMA)", "sm80": "SM80 (cp.async + mma.sync)"}
@@ -362,7 +364,7 @@ def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "
                   f"swap_ab serves {', '.join(SWAP_OPS)}", label, "swap_ab")
-    if values["op"] == "grouped":
+    if values["op"] in GROUPED_OPS:
         for field, msg in _grouped_problems(values, limits):
             probs.add(key_lines.get(field, line), msg, label, field)
 
@@ -376,7 +378,7 @@ def _grouped_problems(values, limits) -> list[tuple[str, str]]:
     if values["persistent"] is not True or values["pingpong"] is not False:
         out.append(("persistent", "the grouped kernel is persistent and cooperative: set "
                                   "persistent: true (and no pingpong)"))
-    if values["cluster"][0] != 1:
+    if values["op"] == "grouped" and values["cluster"][0] != 1:
         out.append(("cluster", f"a grouped kernel's clusters share an M tile: cluster [1, CN], "
                                f"got {list(values['cluster'])}"))
     if values["tile"][0] < 64:

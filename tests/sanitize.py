@@ -62,7 +62,8 @@ def gemm_kind(key) -> list:
     tags = [family_of(key.arch)]
     for tag, on in (("row-tile", key.tile[0] < 64), ("persistent", key.persistent),
                     ("pingpong", key.pingpong), ("swap", key.swap_ab), ("bmm", key.batched),
-                    ("grouped", key.grouped), ("a-rows", key.a_loads),
+                    ("grouped", key.grouped), ("grouped-k", key.grouped_k),
+                    ("a-rows", key.a_loads),
                     ("direct-store", key.c_direct), ("split", key.split),
                     ("tf32", key.dtype == "tf32"), (f"cluster{size}", size > 1),
                     ("m-major-a", key.a_major == "m"), ("accumulate", key.accumulate)):

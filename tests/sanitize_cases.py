@@ -5,8 +5,8 @@ An `Item` is one bucket of one kernel family (sm90, sm80) at one dtype with its 
 (`items`, `Call.launches`, `Item.tags`), so CI checks that the plan reaches every kernel
 path: row tiles, 64/128-row tiles, ping-pong, swapped operands, 2/4/8-CTA clusters,
 persistent and `raster_n` schedules, the direct-store epilogue, bmm, the a-rows producer,
-the grouped kernel with empty / short / long groups and trailing rows, the fp32 split
-(fp16 parts and dW's exact parts), TF32, and the staging helpers (row copy, transpose).
+both grouped kernels with empty / short / long groups and trailing rows (columns), the fp32
+split (fp16 parts and dW's exact parts), TF32, and the staging helpers (row copy, transpose).
 `run_call` runs one call on the GPU and returns its outputs.
 """
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("bf16", "fp16", "fp32", "tf32")  # tf32: fp32 tensors at precision "tf32"
-SECTIONS = ("gemm", "bmm", "grouped")
+SECTIONS = ("gemm", "bmm", "grouped", "grouped_k")
 
 
 @dataclass(frozen=True)
 class Call:
     kind: str  # linear | linear_mmajor | input_grad | weight_grad[_acc] | bias_grad[_acc]
-    #            | bmm | grouped
+    #            | bmm | grouped | grouped_k
     dims: tuple  # (name, size) pairs
     opts: tuple = ()  # (name, value) pairs
 
@@ -36,6 +36,8 @@ class Call:
         d = dict(self.dims)
         if self.kind == "grouped":
             return 1 if sum(self.opt("groups")) + self.opt("tail") else 0
+        if self.kind == "grouped_k":  # nothing to read (T = 0): zeros, no launch
+            return 1 if sum(self.opt("groups")) + self.opt("tail") else 0
         work = [d.get(n, 1) for n in ("L", "M", "N", "K")]
         return 0 if 0 in work else 1
 
@@ -43,7 +45,7 @@ class Call:
 @dataclass
 class Item:
     family: str  # sm90 | sm80
-    section: str  # gemm | bmm | grouped
+    section: str  # gemm | bmm | grouped | grouped_k
     bucket: object  # a registry bucket
     dtype: str
     calls: list = field(default_factory=list)
@@ -82,7 +84,7 @@ def items(families, sections=SECTIONS, dtypes=("bf16", "fp32", "tf32"), only=(),
     for family in families:
         seen = set()
         for b in registry.get_registry(family).buckets:
-            section = {"bmm": "bmm", "grouped": "grouped"}.get(b.op, "gemm")
+            section = b.op if b.op in ("bmm", "grouped", "grouped_k") else "gemm"
             if section not in per_section or (only and not any(t in b.name for t in only)):
                 continue
             if dedupe:
@@ -174,7 +176,25 @@ def _grouped_calls(item, quick):
     _call_tags(item)
 
 
-_BUILD = {"gemm": _gemm_calls, "bmm": _bmm_calls, "grouped": _grouped_calls}
+def _grouped_k_calls(item, quick):
+    """The 2-D x 2-D form: the same group plans along T (cut at BK), a = x^T and b = dy as the
+    MoE backward passes them, or both T-contiguous (T padded by trailing columns to a
+    multiple of 8, so TMA reads them in place); M and N not multiples of the tile."""
+    bm, bn, bk = item.bucket.tile
+    for i, (name, groups, tail, layout) in enumerate(_group_plans(bk, quick)):
+        m, n = (bm + 8, bn + 8) if i % 2 else (2 * bm + 16, bn - 8)  # 16-byte rows: TMA's
+        if layout == "nk":  # T-contiguous operands; an odd N (the threads store C)
+            m, n = bm - 8, 2 * bn + 5
+            tail += -(sum(groups) + tail) % 8
+        item.calls.append(Call("grouped_k", (("M", m), ("N", n)),
+                               (("plan", name), ("groups", tuple(groups)), ("tail", tail),
+                                ("major", "t" if layout == "nk" else "mn"))))
+    item.tags |= {"empty-group", "short-group", "long-group", "trailing-columns", "all-empty"}
+    _call_tags(item)
+
+
+_BUILD = {"gemm": _gemm_calls, "bmm": _bmm_calls, "grouped": _grouped_calls,
+          "grouped_k": _grouped_k_calls}
 
 
 def _call_tags(item) -> None:
@@ -237,6 +257,10 @@ def run_call(call: Call, dtype: str, device="cuda") -> list:
         return [dg.bmm(rnd(lb, m, k), rnd(lb, k, n), bias=rnd(n) if call.opt("bias") else None)]
     groups, tail = call.opt("groups"), call.opt("tail")
     ends = torch.tensor(groups, device=device).cumsum(0).to(torch.int32)
-    g = len(groups)
+    g, t = len(groups), sum(groups) + tail
+    if call.kind == "grouped_k":
+        if call.opt("major") == "t":
+            return [dg.grouped_mm(rnd(m, t), rnd(n, t).t(), ends)]
+        return [dg.grouped_mm(rnd(t, m).t(), rnd(t, n), ends)]
     w = rnd(g, k, n) if call.opt("w") == "kn" else rnd(g, n, k).transpose(1, 2)
-    return [dg.grouped_mm(rnd(sum(groups) + tail, k), w, ends)]
+    return [dg.grouped_mm(rnd(t, k), w, ends)]

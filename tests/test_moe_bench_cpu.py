@@ -72,7 +72,7 @@ def test_sweep_problem_order_and_args(bench):
     assert len(probs) == len(args.models) * len(args.tokens) * 2 * 2
     assert probs[0][:2] == (sg.MODEL_BY_NAME["mixtral-8x7b/unfused"], 512)
     assert sg.gemm_kn(sg.MODEL_BY_NAME["narrow-128e"], "down", "dx") == (7168, 256)
-    for bad in (["--passes", "dw"], ["--models", "nope"], ["--candidates", "0"]):
+    for bad in (["--passes", "dz"], ["--models", "nope"], ["--candidates", "0"]):
         with pytest.raises(SystemExit):
             sg.parse_args(["--out", "x"] + bad)
 
@@ -118,8 +118,8 @@ def test_bench_moe_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
     for r in rep["rows"]:
         assert r["group_bits_equal_mm"] is True, r
         assert r["us"]["detgemm"] > 0 and r["us"]["torch_loop"] > 0
-        assert r["method"] == ("eager" if r["pass"] == "dw" else "graphs")
-        assert r["bucket"].startswith("grouped_") or r["pass"] == "dw"
+        assert r["method"] == "graphs"
+        assert r["bucket"].startswith("grouped_k_" if r["pass"] == "dw" else "grouped_")
     md = (tmp_path / "moe_nvidia-h100-80gb-hbm3_t.md").read_text()
     assert "| tiny | 8 | up | dw |" in md and "geomean speed" in md
     capsys.readouterr()
@@ -135,7 +135,8 @@ def test_fit_on_the_stored_record_is_deterministic_and_valid(bench, tmp_path):
     fg = bench("fit_grouped")
     report, block = fg.fit([RECORD])
     assert fg.fit([RECORD]) == (report, block)
-    assert block[0].strip().startswith(fg.BEGIN) and block[-1].strip() == fg.END
+    begin, end = fg.markers("grouped")
+    assert block[0].strip().startswith(begin) and block[-1].strip() == end
     table = tmp_path / "sm90.yaml"
     shutil.copy(os.path.join(ROOT, "configs", "sm90.yaml"), table)
     table.write_text(fg.replace_block(table.read_text(), block))

@@ -58,7 +58,7 @@ def test_builtin_buckets_pass_kernel_limits_and_carry_lines():
 def test_get_registry_is_cached_and_ordered():
     r = R.get_registry("sm90")
     assert R.get_registry("sm90") is r
-    assert r.ops == ("fwd", "dx", "dw", "bmm", "grouped")
+    assert r.ops == ("fwd", "dx", "dw", "bmm", "grouped", "grouped_k")
     assert r.buckets == R.load_builtin("sm90").buckets
     for dtype in R.DTYPES:
         assert [b.name for b in r.table("fwd", dtype)] == \

@@ -428,9 +428,10 @@ class Sm80Gemm:
                                 rows_b_full and k_full_b)
 
 
-def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False):
+def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False,
+                 grouped_k: bool = False):
     """The SM80 family has one kernel: one CTA per output tile."""
-    if grouped:
+    if grouped or grouped_k:
         raise ValueError("the sm80 kernel family has no grouped kernel")
     if persistent or pingpong:
         raise ValueError("the sm80 kernel family has no persistent kernel (and no ping-pong one)")

@@ -78,7 +78,7 @@ import cutlass.utils as utils
 from cutlass.pipeline import pipeline_init_wait
 
 from .sm90_a_rows import ARowLoads
-from .sm90_base import GROUP_TABLE, WG, Sm90Base
+from .sm90_base import GROUP_TABLE, WG, Sm90Base, TilePlace
 
 # Named barriers of the ping-pong turns, one per consumer at each stage (id + consumer);
 # 0 is __syncthreads and 1 the epilogue's (sm90_base).
@@ -233,9 +233,10 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                 if place.loads:
                     prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA,
                                               a_mask, tBsB, b_mask, raw)
-            else:
-                prod = self._produce_tile(ab_pipeline, prod, k_tiles, src, place, tAsA, a_mask,
-                                          tBsB, b_mask, raw)
+            else:  # groups along K: the tile's group has its own k tiles (maybe none)
+                prod = self._produce_tile(ab_pipeline, prod,
+                                          place.k_tiles if self.grouped_k else k_tiles, src,
+                                          place, tAsA, a_mask, tBsB, b_mask, raw)
             sched.advance_to_next_work()
             work = sched.get_current_work()
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
@@ -317,6 +318,8 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
             table = storage.group_first.get_tensor(cute.make_layout(GROUP_TABLE))
             self._group_table(table, mOffs, cute.size(mC_mn, mode=[0]))
             groups = (mOffs, table)
+        if cutlass.const_expr(self.grouped_k):
+            groups = self._k_groups(mOffs, mA_mk)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         consumer = wg_idx - self.producer_warpgroups
@@ -381,6 +384,10 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                     if cutlass.const_expr(self.chunked):
                         read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
                                                          tCrA, tCrB, k_tiles, None)
+                    elif cutlass.const_expr(self.grouped_k):
+                        read, release = self._k_group_chain(
+                            self._place(mC_mn, groups, tile), ab_pipeline, read, release,
+                            tiled_mma, acc, tCrA, tCrB, (sA, sB, mma_tidx, barrier))
                     else:
                         if cutlass.const_expr(self.pingpong):
                             self._turn_wait(consumer, _MMA_TURN)
@@ -439,7 +446,17 @@ class Sm90GemmPingpong(Sm90GemmPersistent):
     pingpong = True
 
 
-class Sm90GemmGrouped(Sm90GemmPersistent):
+class _OffsCall:
+    """The launch of a kernel that takes the groups' int32 cumulative ends in the bias's
+    place."""
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
+                 mOffs: cute.Tensor, max_clusters: cutlass.Int32, stream):
+        self._launch(mA, mB_in, mC, None, mOffs, max_clusters, stream)
+
+
+class Sm90GemmGrouped(_OffsCall, Sm90GemmPersistent):
     """Grouped GEMM (mixture of experts) in one launch: ``C[rows of group g] = A[rows of
     group g] @ B[g]^T`` for row groups given by their int32 cumulative ends ``offs`` (a
     device tensor, never read on the host, so a call can be captured in a CUDA graph).
@@ -456,13 +473,75 @@ class Sm90GemmGrouped(Sm90GemmPersistent):
 
     grouped = True
 
+
+class Sm90GemmGroupedK(_OffsCall, Sm90GemmPersistent):
+    """Grouped GEMM with the groups along K (grouped_mm's 2-D x 2-D form, the weight
+    gradient of a mixture-of-experts layer) in one launch: ``C[g] = A[:, group g] @
+    B[group g, :]`` for A [M, T], B [T, N] and column groups of A (rows of B) given by their
+    int32 cumulative ends ``offs`` along T, read on the device only (no sync; a CUDA graph
+    captures the call). C is [G, M, N].
+
+    The persistent cooperative kernel of `Sm90GemmPersistent` over the tile grid of C
+    (M tiles, N tiles, G entries). The tile of entry g reads its group's k tiles only: A's
+    and B's TMA tiles start at the group's start (`TilePlace.k0`) and step by BK; in the last
+    one, the elements past the group's end are zeroed in the stage before its WGMMAs
+    (`Sm90Base._zero_k_tail`). So each element of C[g] is the chain of its group alone --
+    ascending 16-wide WGMMA steps from +0.0 over the group's K, zeros past its end, one
+    rounding -- the bits of one GEMM over A[:, group g] and B[group g, :], whatever the other
+    groups hold. An empty group's entry is stored as zeros; columns of A past the last
+    group are read by no tile."""
+
+    grouped_k = True
+
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB_in: cute.Tensor, mC: cute.Tensor,
-                 mOffs: cute.Tensor, max_clusters: cutlass.Int32, stream):
-        self._launch(mA, mB_in, mC, None, mOffs, max_clusters, stream)
+    def _k_groups(self, mOffs, mA_mk):
+        """Check offs on the device (every CTA, its threads each a few entries: a bad entry
+        is printed and the launch traps) and return what `_place` needs: (offs, T)."""
+        total = cute.size(mA_mk, mode=[1])
+        tidx, _, _ = cute.arch.thread_idx()
+        for g in cutlass.range(tidx, cute.size(mOffs), self.threads_per_cta, unroll=1):
+            self._check_offs(mOffs, total, g, "the columns of a")
+        return mOffs, total
+
+    @cute.jit
+    def _place(self, mC_mn, groups, tile):
+        """Tile (m, n, g): moved along M and N as `_tail_offsets` says, reading A's and B's
+        only entry, and its group's K range (`TilePlace.k0`, `k_tiles`, `k_last`)."""
+        mOffs, total = groups
+        bk = self.tile_shape_mnk[2]
+        off_m, off_n = self._tail_offsets(mC_mn, tile)
+        start, end = self._group_rows(mOffs, total, tile[2])
+        k_tiles = (end - start + bk - 1) // bk
+        return TilePlace(tile[0], tile[1], tile[2], 0, off_m, off_n, self.tile_shape_mnk[0],
+                         True, start, k_tiles, end - start - (k_tiles - 1) * bk)
+
+    @cute.jit
+    def _tile_loads(self, src, place):
+        """A's and B's k tiles of the tile's group: the grids start at the group's start."""
+        _, tAgA, _, tBgB = self._partition_loads(src, place.off_m, place.off_n, place.k0)
+        return tAgA[(None, place.m, None, 0)], tBgB[(None, place.n, None, 0)]
+
+    @cute.jit
+    def _k_group_chain(self, place, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB,
+                       zero_args):
+        """The chain of one tile over its group's k tiles (none for an empty group: the
+        accumulators stay +0.0), the last one's elements past the group cleared first."""
+        if place.k_tiles > 0:
+            read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
+                                              tCrA, tCrB, place.k_tiles, None,
+                                              tail=(place.k_last, *zero_args))
+            ab_pipeline.consumer_release(release)
+            release.advance()
+        return read, release
 
 
-def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False):
+def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False,
+                 grouped_k: bool = False):
+    if grouped_k:
+        if not persistent or pingpong or grouped:
+            raise ValueError("the grouped-K kernel is persistent and cooperative: grouped_k "
+                             "needs persistent and no pingpong")
+        return Sm90GemmGroupedK
     if grouped:
         if not persistent or pingpong:
             raise ValueError("the grouped kernel is persistent and cooperative: grouped needs "

@@ -52,6 +52,11 @@ class TilePlace(NamedTuple):
     off_n: Any
     rows: Any  # rows stored: BM; grouped: fewer for a small group (predicated), 0 for none
     loads: Any  # whether the tile reads A and B (grouped: not for the zero rows past the groups)
+    # Groups along K (`Sm90GemmGroupedK`): where the tile's group starts along K, its k
+    # tiles (0 for an empty group) and the elements of K its last k tile holds (1..BK).
+    k0: Any = 0
+    k_tiles: Any = None
+    k_last: Any = None
 
 
 class Sm90Base:
@@ -64,6 +69,7 @@ class Sm90Base:
     producer_warpgroups = 0
     pingpong = False  # two consumer warpgroups on alternate tiles (Sm90GemmPingpong)
     grouped = False  # row groups with their own B (Sm90GemmGrouped)
+    grouped_k = False  # groups along K, each its own C entry (Sm90GemmGroupedK)
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
@@ -292,15 +298,16 @@ class Sm90Base:
         return ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles
 
     @cute.jit
-    def _partition_loads(self, src, off_m, off_n):
+    def _partition_loads(self, src, off_m, off_n, off_k=0):
         """TMA partitions of A and B over all (m|n, k, l) tiles, with the tile grid moved by
-        (off_m, off_n) elements (see `_tail_offsets`); A's are None with `a_loads`."""
+        (off_m, off_n) elements (see `_tail_offsets`) and by off_k along K (a group's start,
+        `Sm90GemmGroupedK`); A's are None with `a_loads`."""
         bm, bn, bk = self.tile_shape_mnk
-        gB = cute.local_tile(cute.domain_offset((off_n, 0, 0), src.mB_nk), (bn, bk),
+        gB = cute.local_tile(cute.domain_offset((off_n, off_k, 0), src.mB_nk), (bn, bk),
                              (None, None, None))  # (BN, BK, tn, tk, L)
         tAsA, tAgA = None, None
         if cutlass.const_expr(not self.a_loads):
-            gA = cute.local_tile(cute.domain_offset((off_m, 0, 0), src.mA_mk), (bm, bk),
+            gA = cute.local_tile(cute.domain_offset((off_m, off_k, 0), src.mA_mk), (bm, bk),
                                  (None, None, None))  # (BM, BK, tm, tk, L)
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                 src.atom_a, src.cluster_coord[1],
@@ -361,7 +368,7 @@ class Sm90Base:
         return start, cutlass.max(end, start)
 
     @cute.jit
-    def _check_offs(self, mOffs, total, g):
+    def _check_offs(self, mOffs, total, g, extent: cutlass.Constexpr = "the rows of a"):
         """A device-side assert (the host never reads offs): offs[g] must lie in
         [offs[g - 1] (0 for g = 0), total]. Otherwise the thread prints which entry is wrong
         and traps, and the launch fails (as a failed device assert does in torch): two
@@ -372,7 +379,7 @@ class Sm90Base:
         end = mOffs[g]
         if end < prev or end > total:
             cute.printf("detgemm_cute grouped_mm: offs must be non-decreasing, >= 0 and <= "
-                        "%d (the rows of a); offs[%d] = %d after %d", total, g, end, prev)
+                        "%d (" + extent + "); offs[%d] = %d after %d", total, g, end, prev)
             llvm.intr_trap()
 
     @cute.jit
@@ -516,21 +523,27 @@ class Sm90Base:
 
     @cute.jit
     def _mainloop(self, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles,
-                  refill, drain: cutlass.Constexpr = True):
+                  refill, drain: cutlass.Constexpr = True, tail=None):
         """All k tiles of one output tile, in order: k tile 0 (K >= 1, so it exists), then
         1, 2, ... with one WGMMA batch in flight; the stage the previous batch read is
         released once it retires. `refill` (non-persistent kernel only) is (is_producer,
         producer state, TMA operands...): that warp then reloads the freed stage at once.
+        `tail` (groups along K): what `_zero_k_tail` needs to clear the last k tile's
+        elements past the group's end before its WGMMAs read the stage.
         Returns the advanced (read, release, producer) states. With `drain` all WGMMAs have
         retired; without, the last batch may still run (the caller waits for it)."""
         prod = None
         if cutlass.const_expr(refill is not None):
             prod = refill[1]
         ab_pipeline.consumer_wait(read)
+        if cutlass.const_expr(tail is not None):
+            self._zero_k_tail(tail, read.index, k_tiles == 1)
         self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
         read.advance()
         for _k in cutlass.range(1, k_tiles, 1, unroll=1):
             ab_pipeline.consumer_wait(read)
+            if cutlass.const_expr(tail is not None):
+                self._zero_k_tail(tail, read.index, _k == k_tiles - 1)
             self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index)
             cute.nvgpu.warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release)
@@ -543,6 +556,28 @@ class Sm90Base:
         if cutlass.const_expr(drain):
             cute.nvgpu.warpgroup.wait_group(0)
         return read, release, prod
+
+    @cute.jit
+    def _zero_k_tail(self, tail, stage, is_last):
+        """Groups along K: in the last k tile of a group (`is_last`) that holds fewer than BK
+        elements of K (`tail`: k_last, sA, sB, the thread's index among the tile's threads,
+        their barrier), zero A's and B's elements past the group's end in the stage. TMA
+        brought the next group's values there; zeros on both sides make exact zero products
+        (whatever those values were, Inf and NaN included), so the chain is the group's own,
+        as TMA's zero fill past the end of K makes it for one GEMM. The tile's threads then
+        fence their stores for the async proxy (WGMMA) and meet at the barrier."""
+        k_last, sA, sB, tidx, barrier = tail
+        bm, bn, bk = self.tile_shape_mnk
+        if is_last:
+            if k_last < bk:
+                for i in cutlass.range(k_last * bm + tidx, bk * bm, self.tile_threads,
+                                       unroll=1):
+                    sA[(i % bm, i // bm, stage)] = self.a_dtype(0.0)
+                for i in cutlass.range(k_last * bn + tidx, bk * bn, self.tile_threads,
+                                       unroll=1):
+                    sB[(i % bn, i // bn, stage)] = self.b_dtype(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
 
     @cute.jit
     def _mainloop_chunked(self, ab_pipeline, read, tiled_mma, acc, part, tCrA, tCrB, k_tiles,

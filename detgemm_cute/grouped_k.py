@@ -1,0 +1,120 @@
+"""The one-launch grouped GEMM with groups along K (grouped_mm's 2-D x 2-D form) on SM90.
+
+``out[g] = a[:, group g] @ b[group g, :]`` for a [M, T], b [T, N] and offs [G] (int32
+cumulative ends along T, on the device) -> out [G, M, N]: the weight gradient of a
+mixture-of-experts layer (a = x^T, b = dY, T the tokens sorted by expert). The kernel
+(`kernels.sm90.Sm90GemmGroupedK`) reads offs on the device and runs every (M tile, N tile,
+group) of the output, each over its own group's k tiles, so the whole call is one launch that
+a CUDA graph can capture. Every entry is the chain of its group alone: its bits equal
+`dg.mm(a[:, group g], b[group g, :])`, whatever the other groups hold. An empty group's entry
+is zeros; columns of a past offs[-1] are read by nothing.
+
+The bucket comes from the table's ``op: grouped_k`` buckets, keyed by M, N and the tokens per
+group on average (ceil(T / G)). Layouts taken without copies: any operand TMA can read in
+place (a M- or T-contiguous, b N- or T-contiguous, 16-byte-aligned strides); a call with
+any other layout returns None, and the caller runs one GEMM per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compile as kcompile
+from . import dispatch, registry
+from .gemm import (_NAMES, _forced, _gpu_arch, _unit_dim, arch_of, launch_on,
+                   max_clusters_for, output_rows)
+from .grouped import plan_key
+from .kernels import tensor_needs as needs
+
+OP = "grouped_k"
+_plans: dict = {}
+
+
+class _Plan:
+    __slots__ = ("fn", "pad_cols", "max_clusters")
+
+    def __init__(self, fn, pad_cols, max_clusters):
+        self.fn, self.pad_cols, self.max_clusters = fn, pad_cols, max_clusters
+
+
+def bucket_for(a, b, groups: int):
+    """The grouped_k bucket for this call, or None when it runs one GEMM per group (another
+    kernel family, fp32 inputs, a forced bucket that is not a grouped_k one)."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or groups < 1:
+        return None
+    arch = arch_of(a.device)
+    if arch != "sm90":
+        return None
+    if _forced.name:
+        bucket = dispatch.bucket_by_name(arch, _forced.name)
+        return bucket if bucket.op == OP else None
+    m, t = a.shape
+    return dispatch.lookup(OP, _NAMES[a.dtype], arch, m, b.shape[1], max(1, -(-t // groups)))
+
+
+def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey | None:
+    """The kernel a call with these operands runs on `bucket` (also what a bench prebuilds),
+    or None when TMA cannot read an operand in place."""
+    a_unit, b_unit = _unit_dim(a), _unit_dim(b)
+    if a_unit is None or b_unit is None:
+        return None
+    return kcompile.KernelKey.for_bucket(
+        bucket, dtype=_NAMES[a.dtype], out_dtype=_NAMES[out_dtype],
+        a_major="m" if a_unit == "first" else "k", b_form="kn", b_contig=b_unit,
+        has_bias=False, grouped_k=True, c_direct=c_direct, arch=_gpu_arch("sm90", a.device))
+
+
+def _make_plan(a, b, offs, out_dtype):
+    bucket = bucket_for(a, b, offs.shape[0])
+    if bucket is None:
+        return None
+    c_direct, pad_cols = output_rows("sm90", bucket, b.shape[1], out_dtype, True)
+    key = kernel_key(bucket, a, b, out_dtype, c_direct)
+    if key is None:
+        return None
+    return _Plan(kcompile.get(key), pad_cols, max_clusters_for(a.device, bucket.cluster))
+
+
+def planned(a, b, offs, out_dtype) -> torch.Tensor | None:
+    """The warm call: out [G, M, N] when a call with this key was checked and planned before
+    (so its arguments pass the checks), else None (the caller checks, then `grouped_mm_k`)."""
+    try:
+        key = plan_key(a, b, offs, out_dtype or a.dtype)
+    except AttributeError:  # not tensors: the caller's checks name them
+        return None
+    plan = _plans.get(key)
+    return None if plan is None else _run(plan, a, b, offs, out_dtype or a.dtype)
+
+
+def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
+    """out [G, M, N] in one launch (checked inputs on a CUDA device), or None when this call
+    runs one GEMM per group (see `bucket_for`, `kernel_key`)."""
+    key = plan_key(a, b, offs, out_dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, offs, out_dtype)
+        if plan is None:
+            return None
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    return _run(plan, a, b, offs, out_dtype)
+
+
+def _run(plan, a, b, offs, out_dtype):
+    (m, t), n, groups = a.shape, b.shape[1], offs.shape[0]
+    if not (m and n and t):  # nothing to read: every entry is zeros (or there are none)
+        return torch.zeros((groups, m, n), dtype=out_dtype, device=a.device)
+    if plan.pad_cols:
+        out = torch.empty((groups, m, plan.pad_cols), dtype=out_dtype,
+                          device=a.device)[..., :n]
+    else:
+        out = torch.empty((groups, m, n), dtype=out_dtype, device=a.device)
+    launch_on(a.device, plan.fn, a, b, out, needs.conform(offs, needs.OFFS), plan.max_clusters)
+    return out.contiguous() if plan.pad_cols else out
+
+
+registry.on_change(_plans.clear)
+
+__all__ = ["grouped_mm_k", "planned", "kernel_key", "bucket_for"]
