@@ -264,6 +264,28 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
         assert got == want, f"{op}_{group}"
 
 
+def test_builtin_dw_prefill_costs_follow_from_the_committed_records():
+    """dw_prefill's alternatives were selected from an earlier 20-candidate pool; their costs
+    are `tune-fit --keep`'s six-term refit on bench/results/tune/tune_alternatives_*.json.xz
+    (every alternative timed on all 249 dW problems, GEMM M >= 768, N >= 17)."""
+    from pathlib import Path
+
+    from detgemm_cute.tune.candidates import Candidate
+    from detgemm_cute.tune.fit_command import read_records
+    from detgemm_cute.tune.summary import all_fields, points_of
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
+    paths = sorted(root.glob("tune_alternatives_nvidia-*.json.xz"))
+    assert len(paths) == 1, paths
+    recs = read_records(paths)
+    pts = [p for p in points_of(recs, "dw") if p.m >= 768 and p.n >= 17]
+    assert len(pts) == 249
+    got = {Candidate.from_bucket(b).name: b.cost for b in R.get_registry("sm90").buckets
+           if b.group == "dw_prefill"}
+    costs = choice.fit_all(pts, all_fields(recs), 132, 8, only=set(got))
+    assert got == {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in got}
+
+
 def test_builtin_tf32_buckets_follow_from_the_committed_records():
     """The tf32 buckets (fwd and dx share them: the same GEMM once dx's weight is staged
     K-major) are `tune-fit`'s selection from bench/results/tune/tune_tf32_*.json.xz, whose
