@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import batched, gemm
+from detgemm_cute import gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.timing import BENCH_PLAN, time_units
-from sweep_common import policy_replaced
+from sweep_common import policy_replaced, staged_a_rows
 
 # (batch x heads, sequence, head_dim): q @ k^T, K a transposed view, as eager attention runs it.
 QK = [(288, 333, 64), (128, 555, 64), (96, 777, 128), (64, 1001, 128), (80, 1500, 64),
@@ -54,11 +54,6 @@ def padded_rows():
     """The direct store switched off: padded output rows, copied out after (what
     gemm.output_rows asks, for both paths)."""
     return policy_replaced(gemm, "stores_direct", lambda *a: False)
-
-
-def staged_a_rows():
-    """A's unaligned rows copied into padded rows for TMA instead of read by the threads."""
-    return policy_replaced(batched, "reads_a_rows", lambda *a: False)
 
 
 def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None, baseline=padded_rows) -> dict:

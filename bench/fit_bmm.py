@@ -1,7 +1,8 @@
 """Fit the `op: bmm` buckets of the SM90 table to `bench/sweep_bmm.py` records (CPU only).
 
 Each record row is one attention-shaped problem (kind, L, M, K, N) with the time of every
-candidate kernel, of torch.bmm and (in newer records) of the table's own choice (`table`).
+candidate kernel, of torch.bmm and (in records whose meta has `table_timing`) of the table's
+own choice (`table`).
 Rows are grouped by the bucket the current table gives them (`dispatch.lookup`), and per
 bucket:
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 FLOOR = 0.9
 _LABEL = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
-PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm")
+PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm", "staged")
 
 
 def kernel_fields(name: str) -> dict:
@@ -63,7 +64,9 @@ def bucket_fields(b) -> dict:
 
 def read_rows(paths) -> list[dict]:
     """Rows of every records file whose candidates agreed on the bits; a problem measured
-    in several files keeps its last row."""
+    in several files keeps its last row. A file whose meta has no `table_timing` timed its
+    candidate layer's first tile as `table` (the layer shadowed the table): that column is
+    dropped, and the table's speed comes from the candidate with its kernel."""
     rows = {}
     for path in paths:
         opener = gzip.open if str(path).endswith(".gz") else open
@@ -71,8 +74,11 @@ def read_rows(paths) -> list[dict]:
             doc = json.load(f)
         if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
             raise ValueError(f"fit_bmm: {path}: no 'rows' list (a bench/sweep_bmm.py --out file?)")
+        table_timed = bool((doc.get("meta") or {}).get("table_timing"))
         for r in doc["rows"]:
             if r.get("bits_ok") and (r.get("us") or {}).get("torch_bmm"):
+                if not table_timed and "table" in r["us"]:
+                    r = {**r, "us": {k: v for k, v in r["us"].items() if k != "table"}}
                 rows[(r["kind"], r["L"], r["M"], r["K"], r["N"])] = r
     return list(rows.values())
 

@@ -3,12 +3,15 @@ data the ``op: bmm`` buckets of configs/sm90.yaml are chosen from.
 
 For every (model, batch x sequence) both attention GEMMs run: q @ k^T (B a transposed view of
 k, no copy) and p @ v. The candidates (`CANDIDATES`, declared as the alternatives of one user
-bucket and forced by name) and `torch.bmm` run on the same inputs in one `time_units` call
-(CUDA graphs, interleaved rounds, medians). Where the sequence length is odd, p's rows are not
-16-byte aligned (detgemm reads them with the kernel's producer warpgroup, or for K < 256
-stages a padded K-major copy): the copy alone and the GEMM on an aligned p are timed as
-well, to compare. Every candidate's output must
-have the bits of the first one, and entry 0 the bits of `dg.mm` on it.
+bucket that serves only K = 1, so each runs where it is forced by name), the table's own
+choice (`table`: unforced `dg.bmm`, the built-in table) and `torch.bmm` run on the same
+inputs in one `time_units` call (CUDA graphs, interleaved rounds, medians). Where p's rows
+are not 16-byte aligned (S not a multiple of 8: detgemm reads them with the kernel's
+producer warpgroup, or for K < 256 stages a padded K-major copy), the staging path is timed
+as well, to compare: the copy alone (`stage_copy`), the table's GEMM on an aligned p
+(`aligned_gemm`, the copy made outside the timed call) and both in one call (`staged`).
+Every candidate's output must have the bits of the first one, and entry 0 the bits of
+`dg.mm` on it.
 
     python bench/sweep_bmm.py --out bench/results/tune/bmm_sweep.json [--quick] [--jobs N]
 
@@ -26,6 +29,12 @@ by its time limit keeps what it measured; `--max-seconds` stops it cleanly (comp
 included).
 
     python bench/sweep_bmm.py --preset broad --jobs 14 --max-seconds 200 --out $OUT/bmm_broad.json
+
+`--preset pv` times 8 p @ v problems at unaligned S (`PV_PROBLEMS`) on the tiles of the
+table's p @ v buckets and the 64x64 tile (`PV_ONLY`): the table against the same tile forced
+and against the staging path.
+
+    python bench/sweep_bmm.py --preset pv --jobs 8 --out $OUT/bmm_pv.json
 """
 
 import argparse
@@ -42,7 +51,8 @@ from detgemm_cute import batched, dispatch, gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for
 from detgemm_cute.gemm import stage_k_major
-from sweep_common import candidate_layer, policy_replaced, time_candidates, write_records
+from sweep_common import (candidate_layer, policy_replaced, staged_a_rows, time_candidates,
+                          write_records)
 
 BF16 = torch.bfloat16
 # (name, query heads, head_dim): public configs; "/tpN": heads sharded N ways.
@@ -78,6 +88,18 @@ BROAD_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "64x256x64_c1x1_s4_p",
               "128x64x64_c1x1_s6_p", "128x128x64_c1x1_s4_p", "128x128x64_c2x1_s4_p",
               "128x192x64_c1x1_s4_p", "128x256x64_c1x1_s3", "128x256x64_c2x1_s3_p",
               "128x128x64_c2x2_s4_p")
+
+
+# `--preset pv`: p @ v at S of 4 mod 8 (rows 8 bytes off 16) and odd S, head_dim 64..128, the
+# table's buckets bmm_m1025_n65_128, bmm_m65_1024_n65_128 and bmm_n1_64; (label, L, S, d).
+PV_PROBLEMS = [("llama3-8b", 160, 1500, 128), ("llama3-70b/tp8", 40, 1500, 128),
+               ("phi2", 160, 1500, 80), ("gpt2", 60, 1500, 64), ("llama3-8b", 96, 2500, 128),
+               ("llama3-8b", 128, 2047, 128), ("llama3-8b", 320, 777, 128),
+               ("llama3-8b", 768, 333, 128)]
+PV_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "128x128x64_c1x1_s4_p")
+# Stored in the records' meta: the `table` column is unforced dg.bmm on the built-in table
+# (records without it timed the candidate layer's first tile there; `fit_bmm` drops those).
+TABLE_TIMING = "built-in table"
 
 
 def broad_problems():
@@ -138,23 +160,44 @@ def forced(name):
     return run
 
 
-def aligned_gemm(name):
-    """The GEMM on an aligned copy of A (K padded to a multiple of 8): the staged call's
-    kernel time without the copy (the copy is made once, outside the timed call)."""
+def aligned_gemm():
+    """The table's GEMM on an aligned copy of A (K padded to a multiple of 8): the staged
+    call's kernel time without the copy (the copy is made once, outside the timed call)."""
     cache = {}
 
     def run(s):
         a = cache.get(id(s[0]))
         if a is None:
             a = cache[id(s[0])] = stage_k_major(s[0], True)
-        with dg.force_bucket(name):
-            return dg.bmm(a[:, :, :s[0].shape[2]], s[1])
+        return dg.bmm(a[:, :, :s[0].shape[2]], s[1])
     return run
 
 
-def check_bits(names, s) -> bool:
+def staged(s):
+    """The whole staging path in one call: A copied into padded rows, then the table's
+    GEMM on them by TMA (what `dg.bmm` runs where the producer warpgroup does not read A)."""
+    with staged_a_rows():
+        return dg.bmm(s[0], s[1])
+
+
+def timed_calls(kind, k, names) -> dict:
+    """{name: fn(set)} of one problem: the candidates forced by name, torch.bmm, the table's
+    own choice (unforced dg.bmm) and, for p @ v of unaligned rows, the staging path."""
+    fns = {nm: forced(nm) for nm in names}
+    fns["torch_bmm"] = lambda st: torch.bmm(*st)
+    fns["table"] = lambda st: dg.bmm(*st)
+    if kind == "pv" and k % 8:
+        fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
+        fns["aligned_gemm"] = aligned_gemm()
+        fns["staged"] = staged
+    return fns
+
+
+def check_bits(names, s, others=()) -> bool:
+    """Every candidate's output (and every call of `others`) has the bits of the first
+    candidate's, and entry 0 the bits of `dg.mm` on it."""
     a, b = s
-    outs = [forced(nm)(s) for nm in names]
+    outs = [forced(nm)(s) for nm in names] + [fn(s) for fn in others]
     same = all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
     ref = dg.mm(a[0], b[0])
     return same and torch.equal(outs[0][0].view(torch.int16), ref.view(torch.int16))
@@ -180,6 +223,9 @@ def precompile(names, probs, kinds, jobs, log):
                     keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
             bucket = dispatch.lookup("bmm", "bf16", "sm90", m, n, k)
             keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
+            if kind == "pv" and k % 8:  # the staging path's GEMM (P copied, TMA)
+                with staged_a_rows():
+                    keys[batched.kernel_layout(a, b, None, BF16, bucket)[0]] = None
     log(f"compiling {len(keys)} kernels in {jobs} processes")
     failed = compile_all(list(keys), directory, jobs, log=log)
     for key, why in failed.items():
@@ -188,43 +234,56 @@ def precompile(names, probs, kinds, jobs, log):
 
 def table_layout(a, b, bucket_name) -> dict:
     """How the table's bucket runs these operands: the output stored by the tile's threads
-    (`c_direct`), P's rows read by the producer warpgroup (`a_loads`), copies."""
+    (`c_direct`), P's rows read by the producer warpgroup (`a_loads`, with the raw ring's
+    k tiles), copies, and the kernel's tile, stages and schedule."""
+    from detgemm_cute.kernels.sm90_a_rows import raw_stages
+
     bucket = dispatch.bucket_by_name("sm90", bucket_name)
     key, stage_a, stage_b, _ = batched.kernel_layout(a, b, None, BF16, bucket)
-    return {"c_direct": bool(key.c_direct), "a_loads": bool(key.a_loads),
-            "stage_a": stage_a, "stage_b": stage_b, "cluster": list(key.cluster)}
+    out = {"c_direct": bool(key.c_direct), "a_loads": bool(key.a_loads),
+           "stage_a": stage_a, "stage_b": stage_b, "cluster": list(key.cluster),
+           "tile": list(key.tile), "stages": key.stages, "persistent": bool(key.persistent)}
+    if key.a_loads:
+        out["raw_stages"] = raw_stages(key.tile, key.stages)
+    return out
 
 
 def measure(model, kind, lb, m, k, n, names, table_bucket, l2, cap) -> dict:
     """One problem: every candidate, the table's own choice and torch.bmm timed together,
     the candidates' bits checked; the record row (also printed)."""
     sets = make_sets(kind, lb, m, k, n, l2)
-    fns = {nm: forced(nm) for nm in names}
-    fns["torch_bmm"] = lambda st: torch.bmm(*st)
-    fns["table"] = lambda st: dg.bmm(*st)
-    if kind == "pv" and k % 8:
-        fns["stage_copy"] = lambda st: stage_k_major(st[0], True)
-        fns["aligned_gemm"] = aligned_gemm(names[0])
+    fns = timed_calls(kind, k, names)
     us, errors, best = time_candidates(fns, sets, PLAN, cap, names)
-    ok = check_bits(names, sets[0])
+    ok = check_bits(names, sets[0], [fns[nm] for nm in ("table", "staged") if nm in fns])
     row = {"model": model, "kind": kind, "L": lb, "M": m, "K": k, "N": n, "us": us,
            "bits_ok": ok, "table": table_bucket, "errors": errors,
            "layout": table_layout(*sets[0], table_bucket)}
     peer = us.get("torch_bmm") or float("nan")
     split_us = (f"  copy {us.get('stage_copy') or 0:.1f} aligned "
-                f"{us.get('aligned_gemm') or 0:.1f}" if "stage_copy" in us else "")
+                f"{us.get('aligned_gemm') or 0:.1f} staged {us.get('staged') or 0:.1f}"
+                if "stage_copy" in us else "")
     print(f"{model:16s} {kind} L={lb:5d} M={m:5d} K={k:5d} N={n:5d} best "
           f"{best[1].split('.', 1)[1]:30s} {best[0]:8.1f} us  torch {peer:8.1f}  "
-          f"{peer / best[0]:.2f}x  table {us.get('table') or float('nan'):8.1f}  bits {ok}"
+          f"{peer / best[0]:.2f}x  table {table_bucket} "
+          f"{us.get('table') or float('nan'):8.1f}  bits {ok}"
           f"{split_us}", flush=True)
+    print("    torch.bmm / call: " + speeds_text(us, names), flush=True)
     return row
+
+
+def speeds_text(us, names) -> str:
+    """torch.bmm's time over each call's: the table, every candidate, the staging path."""
+    peer = us.get("torch_bmm")
+    calls = ["table", *names, "staged"]
+    return ", ".join(f"{nm.split('.', 1)[-1]} {peer / us[nm]:.2f}x" for nm in calls
+                     if peer and us.get(nm))
 
 
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
 
-def main() -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true")
@@ -235,32 +294,54 @@ def main() -> int:
     p.add_argument("--direct", action="store_true", help="add direct-store twins")
     p.add_argument("--only", help="comma-separated substrings: keep the candidates whose "
                    "names contain one (e.g. 128x256x64_c2x1,128x128x64_c1x1_s4_p)")
-    p.add_argument("--preset", choices=("models", "broad"), default="models",
-                   help="broad: the broad attention sweep (BROAD_*) and its candidates")
-    args = p.parse_args()
-    if args.preset == "broad" and args.problems:
-        p.error("--preset broad and --problems are two problem lists: give one")
+    p.add_argument("--preset", choices=("models", "broad", "pv"), default="models",
+                   help="broad: the broad attention sweep (BROAD_*) and its candidates; pv: "
+                   "p @ v at unaligned S (PV_PROBLEMS, PV_ONLY)")
+    args = p.parse_args(argv)
+    if args.preset != "models" and args.problems:
+        p.error(f"--preset {args.preset} and --problems are two problem lists: give one")
+    return args
+
+
+def problem_list(args) -> list:
+    """(label, L, S, head_dim) of the run, in order."""
+    if args.preset == "broad":
+        return broad_problems()
+    if args.preset == "pv":
+        return list(PV_PROBLEMS)
+    if args.problems:
+        return [("given", *map(int, t.split(","))) for t in args.problems.split(";")]
+    return list(problems(MODELS[::3] if args.quick else MODELS, SEQS))
+
+
+def candidate_names(args, names) -> list[str]:
+    """The candidates the run times: `--only` substrings, or the preset's exact names (a
+    prefix would also keep the pingpong twin), plus the direct-store twins."""
+    exact = {"broad": BROAD_ONLY, "pv": PV_ONLY}.get(args.preset)
+    if args.only:
+        names = [nm for nm in names if any(o in nm for o in args.only.split(","))]
+    elif exact:
+        names = [nm for nm in names if nm.split(".", 1)[1] in exact]
+    if args.direct:
+        names += [nm + DIRECT for nm in names if gemm.stores_direct(
+            "sm90", dispatch.bucket_by_name("sm90", nm), True)]
+    return names
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     err, _ = gpu.gpu_check()
     if err:
         print(err, file=sys.stderr)
         return 1
     t0 = time.time()
-    models = MODELS[::3] if args.quick else MODELS
-    probs = (broad_problems() if args.preset == "broad" else list(problems(models, SEQS))
-             if not args.problems else
-             [("given", *map(int, t.split(","))) for t in args.problems.split(";")])
-    kinds = args.kinds.split(",")
+    probs = problem_list(args)
+    kinds = ["pv"] if args.preset == "pv" else args.kinds.split(",")
     table = {(m, n, k): dispatch.lookup("bmm", "bf16", "sm90", m, n, k).name
              for _, lb, s, d in probs for _, m, k, n in shapes_of(lb, s, d)}
     with tempfile.TemporaryDirectory() as tmp:
-        names = candidate_layer(Path(tmp) / "candidates.yaml", "bmm", "bcand", CANDIDATES)
-    if args.only:
-        names = [nm for nm in names if any(o in nm for o in args.only.split(","))]
-    elif args.preset == "broad":  # exact names: a prefix would also keep the pingpong twin
-        names = [nm for nm in names if nm.split(".", 1)[1] in BROAD_ONLY]
-    if args.direct:
-        names += [nm + DIRECT for nm in names if gemm.stores_direct(
-            "sm90", dispatch.bucket_by_name("sm90", nm), True)]
+        names = candidate_names(args, candidate_layer(Path(tmp) / "candidates.yaml", "bmm",
+                                                      "bcand", CANDIDATES))
     if args.jobs > 1:
         precompile(names, probs, kinds, args.jobs, lambda m: print(m, flush=True))
     l2 = gpu.l2_bytes()
@@ -273,8 +354,9 @@ def main() -> int:
             print(f"time box reached after {len(rows)} of {len(todo)} problems", flush=True)
             break
         rows.append(measure(model, kind, lb, m, k, n, names, table[(m, n, k)], l2, cap))
-        write_records(args.out, names, rows)  # a run cut off later keeps these rows
-    write_records(args.out, names, rows)
+        # a run cut off later keeps these rows
+        write_records(args.out, names, rows, table_timing=TABLE_TIMING)
+    write_records(args.out, names, rows, table_timing=TABLE_TIMING)
     return 0
 
 

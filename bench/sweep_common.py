@@ -27,14 +27,28 @@ def policy_replaced(module, name: str, replacement):
         gemm._plans.clear(), batched._plans.clear()
 
 
+def staged_a_rows():
+    """Within: A's unaligned rows copied into padded rows for TMA instead of read by the
+    producer warpgroup (`batched.reads_a_rows` off); plans dropped on entry and exit."""
+    return policy_replaced(batched, "reads_a_rows", lambda *a: False)
+
+
+# The candidates' bucket serves K = 1 only, a K no swept problem has: each candidate runs
+# where it is forced by name, and an unforced call still runs the built-in table. (A bucket
+# serving every M shadowed the table: the broad bmm sweep of 2026-11-26 timed its first
+# candidate, a 64x64 tile, as the table's own choice.)
+CANDIDATE_K = (1, 1)
+
+
 def candidate_layer(path: Path, op: str, name: str, candidates) -> list[str]:
     """Write `candidates` (dicts of kernel fields: tile, cluster, stages, persistent, ...) as
-    the alternatives of one bucket `name` serving every M of `op`, add the layer, and return
-    the alternatives' bucket names (the first one is the bucket's default)."""
+    the alternatives of one bucket `name` of `op` serving only K = 1 (`CANDIDATE_K`), add the
+    layer, and return the alternatives' bucket names (each is forced by name)."""
     alts = "".join("      - {" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in c.items())
                    + f", cost: [{int(i > 0)}, 0, 0, 0]}}\n" for i, c in enumerate(candidates))
     path.write_text(f"arch: sm90\nbuckets:\n  - name: {name}\n    op: {op}\n"
-                    "    dtypes: [bf16, fp16]\n    m: [1, null]\n    sms: 132\n"
+                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n"
+                    f"    k: {list(CANDIDATE_K)}\n    sms: 132\n"
                     "    alternatives:\n" + alts)
     layer = registry.add_config(path)
     return [b.name for b in layer.buckets]

@@ -1,7 +1,9 @@
 """CPU checks of bench/fit_bmm.py (the bmm buckets fitted from sweep records) and of
-bench/sweep_bmm.py's broad preset: the fit's choices on synthetic records, the layer it
-writes loading as a valid table that shadows the right buckets, and the stored records
-fitting without a GPU."""
+bench/sweep_bmm.py: the fit's choices on synthetic records, the layer it writes loading as a
+valid table that shadows the right buckets, the stored records fitting without a GPU; the
+sweep's candidate layer leaving unforced calls to the built-in table (so its `table` column
+times the table), a forced candidate building the kernel the table builds for the same
+tile, and the broad and p @ v presets."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench_path import bench_on_path
-from detgemm_cute import dispatch, registry
+from detgemm_cute import batched, dispatch, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +25,13 @@ def fb():
     with bench_on_path():
         import fit_bmm
         yield fit_bmm
+
+
+@pytest.fixture(scope="module")
+def sb():
+    with bench_on_path():
+        import sweep_bmm
+        yield sweep_bmm
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +49,11 @@ def row(m, us, kind="qk", k=128, n=None, bits=True):
             "us": {"torch_bmm": 100.0, **us}, "errors": {}}
 
 
-def write(tmp_path, rows, name="r.json.gz"):
+def write(tmp_path, rows, name="r.json.gz", table_timing="built-in table"):
     path = tmp_path / name
+    meta = {"device": "TEST GPU", **({"table_timing": table_timing} if table_timing else {})}
     with gzip.open(path, "wt") as f:
-        json.dump({"meta": {"device": "TEST GPU"}, "candidates": [A, B], "rows": rows}, f)
+        json.dump({"meta": meta, "candidates": [A, B], "rows": rows}, f)
     return path
 
 
@@ -96,6 +107,23 @@ def test_rows_below_the_floor_are_reported_with_the_best_tile(fb, tmp_path):
     assert low and "0.71x" in low[0] and "a_loads" in low[0]
 
 
+def test_an_older_records_table_column_is_not_the_table(fb, tmp_path):
+    """Records without `table_timing` timed the candidate layer's first tile as `table` (the
+    layer shadowed the built-in table): the fit takes the candidate with the table's kernel
+    instead. bmm_m1025_n65_128 is 128x128x64 persistent, 4 stages."""
+    c128 = "bcand.128x128x64_c1x1_s4_p"
+    rows = [row(m, {A: 200.0, c128: 110.0, "table": 200.0}, kind="pv", k=m, n=128)
+            for m in (1500, 2500)]
+    assert {dispatch.lookup("bmm", "bf16", "sm90", m, 128, m).name
+            for m in (1500, 2500)} == {"bmm_m1025_n65_128"}
+    old = fb.read_rows([write(tmp_path, rows, "old.json.gz", table_timing=None)])
+    assert all("table" not in r["us"] for r in old)
+    assert fb.current_speeds(old, dispatch.bucket_by_name("sm90", "bmm_m1025_n65_128")) == (
+        [100.0 / 110.0] * 2, c128)
+    new = fb.read_rows([write(tmp_path, rows, "new.json.gz")])
+    assert fb.current_speeds(new, None) == ([0.5, 0.5], "table")
+
+
 def test_rows_with_bad_bits_or_no_peer_are_dropped(fb, tmp_path):
     rows = [row(1024, {A: 80.0}), row(2048, {A: 80.0}, bits=False)]
     rows.append({**row(3000, {A: 80.0}), "us": {A: 80.0}})
@@ -123,9 +151,8 @@ def test_stored_records_fit_to_a_valid_layer(fb, tmp_path, capsys):
         registry.load_config(out, arch="sm90")
 
 
-def test_broad_sweep_problems():
-    with bench_on_path():
-        import sweep_bmm
+def test_broad_sweep_problems(sb):
+    sweep_bmm = sb
     probs = sweep_bmm.broad_problems()
     assert len(probs) == len(set(probs))
     assert {d for *_, d in probs} == {64, 80, 96, 128}
@@ -141,3 +168,85 @@ def test_broad_sweep_problems():
         labels.add(config_label(c["tile"], c["cluster"], c["stages"], c["persistent"])
                    + ("_pingpong" if c["pingpong"] else ""))
     assert names <= labels, names - labels
+
+
+def _layer(sb, tmp_path):
+    with bench_on_path():
+        from sweep_common import candidate_layer
+    return candidate_layer(tmp_path / "candidates.yaml", "bmm", "bcand", sb.CANDIDATES)
+
+
+def _sm90(monkeypatch):
+    """`batched.kernel_layout` as on an H100, on CPU tensors."""
+    monkeypatch.setattr(batched, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(batched, "_gpu_arch", lambda arch, device: "sm_90a")
+
+
+def _pv(lb, s, d):
+    """p @ v operands: softmax rows [L, S, S] (a row pitch of 2S bytes), v [L, S, d]."""
+    return (torch.randn(lb, s, s, dtype=torch.bfloat16).softmax(-1),
+            torch.randn(lb, s, d, dtype=torch.bfloat16))
+
+
+PV_SHAPES = [(2, 1500, 128), (2, 2500, 80), (2, 2047, 128), (2, 1500, 64), (2, 777, 128),
+             (2, 3000, 128)]
+
+
+@pytest.mark.parametrize("lb, s, d", PV_SHAPES)
+def test_candidate_layer_leaves_unforced_calls_to_the_table(sb, tmp_path, lb, s, d):
+    """With the sweep's candidates added, an unforced bmm still gets the built-in bucket
+    (the layer once served every M: the broad sweep's `table` timed its 64x64 tile), and
+    every candidate can still be forced by name."""
+    for m, n, k in ((s, d, s), (s, s, d)):  # p @ v and q @ k^T
+        want = dispatch.lookup("bmm", "bf16", "sm90", m, n, k)
+        names = _layer(sb, tmp_path)
+        got = dispatch.lookup("bmm", "bf16", "sm90", m, n, k)
+        assert got.name == want.name and got.layer == 0, (m, n, k, got.name)
+        for nm in names:
+            assert dispatch.bucket_by_name("sm90", nm).name == nm
+        registry.reset_user_configs()
+
+
+@pytest.mark.parametrize("lb, s, d", PV_SHAPES)
+def test_forced_candidate_builds_the_tables_kernel(sb, tmp_path, monkeypatch, lb, s, d):
+    """The table's p @ v bucket and the sweep's candidate of the same tile build one kernel
+    key and one layout for these operands (P read by the producer warpgroup where its rows
+    are not 16-byte aligned): the table runs what the sweep times as that candidate."""
+    _sm90(monkeypatch)
+    p, v = _pv(lb, s, d)
+    table = dispatch.lookup("bmm", "bf16", "sm90", s, d, s)
+    got = batched.kernel_layout(p, v, None, torch.bfloat16, table)
+    names = _layer(sb, tmp_path)
+    label = "{}x{}x{}_c{}x{}_s{}".format(*table.tile, *table.cluster, table.stages)
+    # P read by the threads runs the persistent kernel whatever the bucket says
+    labels = {label + "_p"} | ({label} if not (table.persistent or got[0].a_loads) else set())
+    twin = [nm for nm in names if nm.split(".", 1)[1] in labels]
+    if not twin:
+        pytest.skip(f"no sweep candidate has the tile of {table.name} ({label})")
+    forced = batched.kernel_layout(p, v, None, torch.bfloat16,
+                                   dispatch.bucket_by_name("sm90", twin[0]))
+    assert got == forced
+    key = got[0]
+    assert key.a_loads == bool(s % 8) and not got[1] and not got[2]  # no staging copy
+    if key.a_loads:
+        assert key.persistent and key.stages == min(table.stages, 3) and key.cluster[1] == 1
+
+
+def test_preset_pv_parses_and_lists_its_calls(sb, tmp_path):
+    args = sb.parse_args(["--preset", "pv", "--out", str(tmp_path / "r.json")])
+    probs = sb.problem_list(args)
+    assert probs == sb.PV_PROBLEMS and len(probs) == 8
+    assert all(s % 8 for _, _, s, _ in probs)  # rows TMA cannot address
+    names = sb.candidate_names(args, _layer(sb, tmp_path))
+    assert sorted(nm.split(".", 1)[1] for nm in names) == sorted(sb.PV_ONLY)  # no twins
+    for _, lb, s, d in probs:  # each problem's table tile is among the forced ones
+        b = dispatch.lookup("bmm", "bf16", "sm90", s, d, s)
+        assert any(dispatch.bucket_by_name("sm90", nm).tile == b.tile for nm in names), b.name
+    fns = sb.timed_calls("pv", 1500, names)
+    assert {"torch_bmm", "table", "stage_copy", "aligned_gemm", "staged"} <= set(fns)
+    assert "staged" not in sb.timed_calls("pv", 1504, names)  # aligned rows: no staging
+    us = {"torch_bmm": 450.0, "table": 600.0, names[0]: 900.0, "staged": 1000.0}
+    assert sb.speeds_text(us, names) == (
+        f"table 0.75x, {names[0].split('.', 1)[1]} 0.50x, staged 0.45x")
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--preset", "pv", "--problems", "1,2,3", "--out", "x"])
