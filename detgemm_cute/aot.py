@@ -95,15 +95,12 @@ def _variants(bucket, which: str):
                                b_contig=b_contig, has_bias=False, accumulate=acc)
         return
     if bucket.op == "grouped_k":
-        # grouped_mm's 2-D x 2-D form as the MoE backward makes it: a = x^T (M-major), b = dy
-        # (N contiguous); "all" adds a and b with T contiguous.
-        layouts = (("m", "kn", "last"),) if which == "core" else (
-            ("m", "kn", "last"), ("k", "kn", "last"), ("m", "kn", "first"), ("k", "kn", "first"))
+        # grouped_mm's 2-D x 2-D form: a = x^T M-contiguous, b = dy N-contiguous (the one
+        # layout the kernel reads; grouped_k copies others into it)
         for dtype in bucket.dtypes:
             for out in ((dtype,) if which == "core" else (dtype, "fp32")):
-                for a_major, b_form, b_contig in layouts:
-                    yield dict(dtype=dtype, out_dtype=out, a_major=a_major, b_form=b_form,
-                               b_contig=b_contig, has_bias=False, grouped_k=True)
+                yield dict(dtype=dtype, out_dtype=out, a_major="m", b_form="kn",
+                           b_contig="last", has_bias=False, grouped_k=True)
         return
     if bucket.op in ("bmm", "grouped"):
         # bmm: one launch per batch, q @ k^T (B a transposed view) and p @ v; grouped: expert

@@ -217,6 +217,13 @@ def _kernel_options(key: KernelKey) -> dict:
                              "no A multicast (cluster [CM, 1]), not split, grouped or "
                              "swapped")
         opts["a_loads"] = True
+    if key.grouped_k and (family_of(key.arch) != "sm90" or not key.persistent or key.pingpong
+                          or key.tile[0] % 64 or key.tile[1] % 64 or key.a_major != "m"
+                          or (key.b_form, key.b_contig) != ("kn", "last") or key.split
+                          or key.dtype not in DTYPES or key.accumulate or key.swap_ab):
+        raise ValueError("the grouped-K kernel is persistent, cooperative sm90 with BM and BN "
+                         "multiples of 64, a 16-bit A M-contiguous and B [K, N] N-contiguous "
+                         "(not split, accumulating or swapped)")
     if key.raster_n:
         if family_of(key.arch) != "sm90":
             raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "

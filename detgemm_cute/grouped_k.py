@@ -10,9 +10,11 @@ a CUDA graph can capture. Every entry is the chain of its group alone: its bits 
 is zeros; columns of a past offs[-1] are read by nothing.
 
 The bucket comes from the table's ``op: grouped_k`` buckets, keyed by M, N and the tokens per
-group on average (ceil(T / G)). Layouts taken without copies: any operand TMA can read in
-place (a M- or T-contiguous, b N- or T-contiguous, 16-byte-aligned strides); a call with
-any other layout returns None, and the caller runs one GEMM per group.
+group on average (ceil(T / G)). The kernel reads a M-contiguous and b N-contiguous (as the
+MoE backward passes them: x^T and dY), with 16-byte-aligned rows: a TMA box starts at each
+group's start along T, which must not fall inside a 16-byte granule of the contiguous
+dimension (a T-contiguous box at an unaligned column traps). An operand in another layout is
+copied once into that layout (its rows padded to 16 bytes), which costs one pass over it.
 """
 
 from __future__ import annotations
@@ -31,10 +33,20 @@ _plans: dict = {}
 
 
 class _Plan:
-    __slots__ = ("fn", "pad_cols", "max_clusters")
+    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters")
 
-    def __init__(self, fn, pad_cols, max_clusters):
-        self.fn, self.pad_cols, self.max_clusters = fn, pad_cols, max_clusters
+    def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters):
+        self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
+        self.pad_cols, self.max_clusters = pad_cols, max_clusters
+
+
+def _t_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, T] as a view of a fresh [T, Rp] buffer (R contiguous, rows padded to 16 bytes):
+    the layout the kernel reads."""
+    r, t = x.shape
+    el = needs.VEC_BYTES // x.element_size()
+    buf = torch.empty((t, -(-r // el) * el), dtype=x.dtype, device=x.device)[:, :r]
+    return buf.copy_(x.t()).t()
 
 
 def bucket_for(a, b, groups: int):
@@ -52,16 +64,13 @@ def bucket_for(a, b, groups: int):
     return dispatch.lookup(OP, _NAMES[a.dtype], arch, m, b.shape[1], max(1, -(-t // groups)))
 
 
-def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey | None:
-    """The kernel a call with these operands runs on `bucket` (also what a bench prebuilds),
-    or None when TMA cannot read an operand in place."""
-    a_unit, b_unit = _unit_dim(a), _unit_dim(b)
-    if a_unit is None or b_unit is None:
-        return None
+def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey:
+    """The kernel a call on `bucket` runs (also what a bench prebuilds): one layout, a
+    M-contiguous and b N-contiguous (`_make_plan` copies other layouts into it)."""
     return kcompile.KernelKey.for_bucket(
-        bucket, dtype=_NAMES[a.dtype], out_dtype=_NAMES[out_dtype],
-        a_major="m" if a_unit == "first" else "k", b_form="kn", b_contig=b_unit,
-        has_bias=False, grouped_k=True, c_direct=c_direct, arch=_gpu_arch("sm90", a.device))
+        bucket, dtype=_NAMES[a.dtype], out_dtype=_NAMES[out_dtype], a_major="m", b_form="kn",
+        b_contig="last", has_bias=False, grouped_k=True, c_direct=c_direct,
+        arch=_gpu_arch("sm90", a.device))
 
 
 def _make_plan(a, b, offs, out_dtype):
@@ -69,10 +78,9 @@ def _make_plan(a, b, offs, out_dtype):
     if bucket is None:
         return None
     c_direct, pad_cols = output_rows("sm90", bucket, b.shape[1], out_dtype, True)
-    key = kernel_key(bucket, a, b, out_dtype, c_direct)
-    if key is None:
-        return None
-    return _Plan(kcompile.get(key), pad_cols, max_clusters_for(a.device, bucket.cluster))
+    return _Plan(kcompile.get(kernel_key(bucket, a, b, out_dtype, c_direct)),
+                 _unit_dim(a) != "first", _unit_dim(b) != "last", pad_cols,
+                 max_clusters_for(a.device, bucket.cluster))
 
 
 def planned(a, b, offs, out_dtype) -> torch.Tensor | None:
@@ -89,7 +97,7 @@ def planned(a, b, offs, out_dtype) -> torch.Tensor | None:
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  out_dtype: torch.dtype) -> torch.Tensor | None:
     """out [G, M, N] in one launch (checked inputs on a CUDA device), or None when this call
-    runs one GEMM per group (see `bucket_for`, `kernel_key`)."""
+    runs one GEMM per group (see `bucket_for`)."""
     key = plan_key(a, b, offs, out_dtype)
     plan = _plans.get(key)
     if plan is None:
@@ -106,6 +114,10 @@ def _run(plan, a, b, offs, out_dtype):
     (m, t), n, groups = a.shape, b.shape[1], offs.shape[0]
     if not (m and n and t):  # nothing to read: every entry is zeros (or there are none)
         return torch.zeros((groups, m, n), dtype=out_dtype, device=a.device)
+    if plan.stage_a:
+        a = _t_rows(a)
+    if plan.stage_b:
+        b = _t_rows(b.t()).t()
     if plan.pad_cols:
         out = torch.empty((groups, m, plan.pad_cols), dtype=out_dtype,
                           device=a.device)[..., :n]

@@ -383,6 +383,9 @@ def _grouped_problems(values, limits) -> list[tuple[str, str]]:
                                f"got {list(values['cluster'])}"))
     if values["tile"][0] < 64:
         out.append(("tile", f"grouped tiles have BM >= 64, got {values['tile'][0]}"))
+    elif values["op"] == "grouped_k" and (values["tile"][0] % 64 or values["tile"][1] % 64):
+        out.append(("tile", f"grouped_k tiles have BM and BN multiples of 64 (128-byte "
+                            f"swizzle lines), got {list(values['tile'])}"))
     return out
 
 

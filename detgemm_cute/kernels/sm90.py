@@ -356,6 +356,10 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.ab_stage)
             c_pipeline, barrier = self._epilogue_sync()
+            tail_views = None
+            if cutlass.const_expr(self.grouped_k):
+                tail_views = self._k_tail_views(storage, a_smem_layout_staged,
+                                                b_smem_layout_staged)
             if cutlass.const_expr(self.pingpong):
                 if consumer == 0:  # consumer 0 has the first turn at both stages
                     self._turn_pass(0, _MMA_TURN)
@@ -387,7 +391,7 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                     elif cutlass.const_expr(self.grouped_k):
                         read, release = self._k_group_chain(
                             self._place(mC_mn, groups, tile), ab_pipeline, read, release,
-                            tiled_mma, acc, tCrA, tCrB, (sA, sB, mma_tidx, barrier))
+                            tiled_mma, acc, tCrA, tCrB, (tail_views, mma_tidx, barrier))
                     else:
                         if cutlass.const_expr(self.pingpong):
                             self._turn_wait(consumer, _MMA_TURN)

@@ -560,24 +560,47 @@ class Sm90Base:
     @cute.jit
     def _zero_k_tail(self, tail, stage, is_last):
         """Groups along K: in the last k tile of a group (`is_last`) that holds fewer than BK
-        elements of K (`tail`: k_last, sA, sB, the thread's index among the tile's threads,
-        their barrier), zero A's and B's elements past the group's end in the stage. TMA
+        elements of K, zero A's and B's elements past the group's end in the stage. TMA
         brought the next group's values there; zeros on both sides make exact zero products
         (whatever those values were, Inf and NaN included), so the chain is the group's own,
-        as TMA's zero fill past the end of K makes it for one GEMM. The tile's threads then
-        fence their stores for the async proxy (WGMMA) and meet at the barrier."""
-        k_last, sA, sB, tidx, barrier = tail
-        bm, bn, bk = self.tile_shape_mnk
+        as TMA's zero fill past the end of K makes it for one GEMM.
+
+        `tail`: (k_last, the stages of A and B as 16-byte chunks with their element layouts
+        and widths (`_k_tail_views`), the thread's index among the tile's threads, their
+        barrier). Both operands are MN-major with 128-byte swizzle atoms (64 elements along
+        M or N, 8 along K): each k row of an atom is one 128-byte line whose 16-byte chunks
+        the swizzle only permutes, so zeroing every chunk of the lines of k >= k_last (one
+        16-byte store each) zeroes exactly those elements. The tile's threads then fence
+        their stores for the async proxy (WGMMA) and meet at the barrier."""
+        k_last, views, tidx, barrier = tail
+        bk = self.tile_shape_mnk[2]
         if is_last:
             if k_last < bk:
-                for i in cutlass.range(k_last * bm + tidx, bk * bm, self.tile_threads,
-                                       unroll=1):
-                    sA[(i % bm, i // bm, stage)] = self.a_dtype(0.0)
-                for i in cutlass.range(k_last * bn + tidx, bk * bn, self.tile_threads,
-                                       unroll=1):
-                    sB[(i % bn, i // bn, stage)] = self.b_dtype(0.0)
+                zero = cute.make_rmem_tensor((4,), cutlass.Int32)
+                zero.fill(0)
+                for chunks, outer, width in views:
+                    per_k = width // 8  # 16-byte chunks of one k row of the stage
+                    for c in cutlass.range(tidx, (bk - k_last) * per_k, self.tile_threads,
+                                           unroll=1):
+                        j = c % per_k
+                        line = cute.crd2idx(((j // 8) * 64, k_last + c // per_k, stage), outer)
+                        cute.autovec_copy(zero, chunks[(None, line // 8 + j % 8)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 barrier.arrive_and_wait()
+
+    def _k_tail_views(self, storage, a_smem_layout_staged, b_smem_layout_staged):
+        """A's and B's stages as 16-byte chunks (4 x Int32 each), with their element layouts
+        (unswizzled) and widths (BM, BN): what `_zero_k_tail` writes through."""
+        views = []
+        bm, bn, _ = self.tile_shape_mnk
+        for buf, layout, dtype, width in (
+                (storage.sA, a_smem_layout_staged, self.a_dtype, bm),
+                (storage.sB, b_smem_layout_staged, self.b_dtype, bn)):
+            words = cute.recast_ptr(buf.data_ptr(), dtype=cutlass.Int32)
+            chunks = cute.make_tensor(words, cute.make_layout(
+                (4, cute.cosize(layout.outer) * dtype.width // 128), stride=(1, 4)))
+            views.append((chunks, layout.outer, width))
+        return tuple(views)
 
     @cute.jit
     def _mainloop_chunked(self, ab_pipeline, read, tiled_mma, acc, part, tCrA, tCrB, k_tiles,
