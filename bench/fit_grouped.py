@@ -51,7 +51,7 @@ def table_key(row) -> tuple[int, int, int]:
 
 def op_of(row) -> str:
     return "grouped_k" if row.get("pass") == DW_PASS else "grouped"
-_NAME = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?$")
+_NAME = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
 
 
 def read_records(paths) -> tuple[dict, list[str], dict, list[dict]]:
@@ -79,7 +79,7 @@ def fields_of_name(name: str) -> dict:
         raise ValueError(f"cannot read the kernel fields of candidate {name!r}")
     bm, bn, bk, cm, cn, st = map(int, m.groups()[:6])
     return {"tile": [bm, bn, bk], "cluster": [cm, cn], "stages": st,
-            "persistent": m.group(7) is not None}
+            "persistent": m.group(7) is not None, "pingpong": m.group(8) is not None}
 
 
 def peer_us(row) -> tuple[float | None, str | None]:
@@ -103,7 +103,8 @@ def points_of(rows, names, op="grouped") -> list[Point]:
 
 
 def key_of(fields: dict) -> tuple:
-    return (tuple(fields["tile"]), tuple(fields.get("cluster", (1, 1))), fields["stages"])
+    return (tuple(fields["tile"]), tuple(fields.get("cluster", (1, 1))), fields["stages"],
+            bool(fields.get("pingpong", False)))
 
 
 def table_picker(names, fields, table_path=None, op="grouped"):
@@ -118,7 +119,7 @@ def table_picker(names, fields, table_path=None, op="grouped"):
 
     def pick(p: Point):
         b = reg.lookup(op, "bf16", p.m, p.n, p.k)
-        return by_key.get((tuple(b.tile), tuple(b.cluster), b.stages))
+        return by_key.get((tuple(b.tile), tuple(b.cluster), b.stages, b.pingpong))
     return pick
 
 
@@ -187,6 +188,7 @@ def block_lines(boxes, fields, meta, header, op="grouped") -> list[str]:
              "m": list(box.ranges[0]), "n": list(box.ranges[1]), "k": list(box.ranges[2]),
              "tile": list(f["tile"]), "cluster": list(f.get("cluster", (1, 1))),
              "stages": f["stages"], "persistent": True,
+             **({"pingpong": True} if f.get("pingpong") else {}),
              "note": bucket_note(box, meta, op)})
         lines.append("")
     return lines[:-1] + [f"  {end}"]

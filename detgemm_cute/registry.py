@@ -375,8 +375,10 @@ def _grouped_problems(values, limits) -> list[tuple[str, str]]:
         return [("op", "this kernel family has no grouped kernel; grouped_mm runs one GEMM "
                        "per group from the fwd/dx buckets")]
     out = []
-    if values["persistent"] is not True or values["pingpong"] is not False:
-        out.append(("persistent", "the grouped kernel is persistent and cooperative: set "
+    if values["persistent"] is not True:
+        out.append(("persistent", "the grouped kernel is persistent: set persistent: true"))
+    elif values["op"] == "grouped_k" and values["pingpong"] is not False:
+        out.append(("persistent", "the grouped_k kernel is persistent and cooperative: set "
                                   "persistent: true (and no pingpong)"))
     if values["op"] == "grouped" and values["cluster"][0] != 1:
         out.append(("cluster", f"a grouped kernel's clusters share an M tile: cluster [1, CN], "

@@ -295,20 +295,22 @@ def test_user_bucket_shadows_builtin_until_reset(tmp_path, monkeypatch, capsys):
 
 # --- grouped buckets: the grouped kernel's own rules ------------------------------------------
 
-def _grouped(extra, arch="sm90"):
-    return (f"arch: {arch}\nbuckets:\n  - name: g\n    op: grouped\n    dtypes: [bf16]\n"
-            f"    m: [1, null]\n    tile: [128, 128, 64]\n    stages: 4\n" + extra)
+def _grouped(extra, arch="sm90", op="grouped", tile="[128, 128, 64]"):
+    return (f"arch: {arch}\nbuckets:\n  - name: g\n    op: {op}\n    dtypes: [bf16]\n"
+            f"    m: [1, null]\n    tile: {tile}\n    stages: 4\n" + extra)
 
 
-@pytest.mark.parametrize("extra, words", [
-    ("", "field 'persistent': the grouped kernel is persistent and cooperative"),
-    ("    persistent: true\n    pingpong: true\n",
-     "field 'persistent': the grouped kernel is persistent and cooperative"),
-    ("    persistent: true\n    cluster: [2, 1]\n",
+@pytest.mark.parametrize("op, tile, extra, words", [
+    ("grouped", "[128, 128, 64]", "", "field 'persistent': the grouped kernel is persistent"),
+    ("grouped", "[128, 128, 64]", "    persistent: true\n    cluster: [2, 1]\n",
      r"field 'cluster': a grouped kernel's clusters share an M tile: cluster \[1, CN\]"),
+    ("grouped_k", "[128, 128, 64]", "    persistent: true\n    pingpong: true\n",
+     "field 'persistent': the grouped_k kernel is persistent and cooperative"),
+    ("grouped_k", "[128, 160, 64]", "    persistent: true\n",
+     r"field 'tile': grouped_k tiles have BM and BN multiples of 64"),
 ])
-def test_grouped_bucket_rules(tmp_path, extra, words):
-    path = _make(tmp_path, "g.yaml", _grouped(extra))
+def test_grouped_bucket_rules(tmp_path, op, tile, extra, words):
+    path = _make(tmp_path, "g.yaml", _grouped(extra, op=op, tile=tile))
     with pytest.raises(R.ConfigError, match="bucket 'g': " + words):
         R.add_config(path)
     assert R.user_configs() == ()

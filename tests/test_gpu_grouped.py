@@ -5,6 +5,7 @@
   shorter than a tile, exactly a tile, a tile and a row, and many tiles; rows past the last
   group are +0.0; weights with K or N contiguous or staged (K not a multiple of 8); odd N;
   fp32 output; outputs land in NaN-poisoned memory;
+- the ping-pong grouped kernel (a user layer) likewise, with trailing empty groups;
 - a token's row does not depend on how many tokens its group received;
 - the call is one launch that a CUDA graph captures, and a replay after offs changed in
   place gives the new grouping's bits (offs is read on the device);
@@ -75,6 +76,29 @@ def test_every_grouped_bucket_matches_mm(name, layout):
         poison()
         y32 = dg.grouped_mm(x, w, _offs(sizes), out_dtype=torch.float32)
         _assert_groups(y32, x, w, sizes, out_dtype=torch.float32)
+
+
+# Ping-pong grouped kernels (two consumer warpgroups on alternate tiles) as a user layer: the
+# table may or may not pick one, so the path is proven here either way.
+PINGPONG = [((128, 192, 64), (1, 2), 5), ((128, 128, 64), (1, 1), 6), ((64, 256, 64), (1, 2), 5)]
+
+
+@pytest.mark.parametrize("tile,cluster,stages", PINGPONG)
+def test_pingpong_grouped_matches_mm(tmp_path, tile, cluster, stages):
+    path = tmp_path / "pp.yaml"
+    path.write_text(f"arch: sm90\nbuckets:\n  - name: gpp\n    op: grouped\n"
+                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n    tile: {list(tile)}\n"
+                    f"    cluster: {list(cluster)}\n    stages: {stages}\n"
+                    f"    persistent: true\n    pingpong: true\n")
+    registry.add_config(path)  # conftest removes user layers after every test
+    sizes = _sizes(tile[0]) + [0, 0, 5 * tile[0] + 3]  # trailing empty groups: skipped tiles
+    k, n = 320, 3 * tile[1] + 8
+    x = rand(sum(sizes) + 7, k)
+    for layout in ("k", "n"):
+        w = _weights(len(sizes), k, n, layout)
+        with dg.force_bucket("gpp"):
+            poison()
+            _assert_groups(dg.grouped_mm(x, w, _offs(sizes)), x, w, sizes)
 
 
 @pytest.mark.parametrize("k,n", [(100, 300), (64, 8), (4096, 2048)])

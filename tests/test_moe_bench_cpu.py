@@ -168,6 +168,8 @@ def test_fit_refuses_other_files(bench, tmp_path):
     with pytest.raises(ValueError, match="not a sweep_grouped.py record"):
         fg.fit([str(p)])
     assert fg.fields_of_name("gcand.128x256x64_c1x2_s4_p") == {
-        "tile": [128, 256, 64], "cluster": [1, 2], "stages": 4, "persistent": True}
+        "tile": [128, 256, 64], "cluster": [1, 2], "stages": 4, "persistent": True,
+        "pingpong": False}
+    assert fg.fields_of_name("gcand.128x192x64_c1x2_s5_p_pingpong")["pingpong"] is True
     with pytest.raises(ValueError, match="kernel fields"):
         fg.fields_of_name("gcand.odd")

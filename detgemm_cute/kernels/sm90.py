@@ -260,30 +260,63 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         return prod
 
     @cute.jit
-    def _grouped_tile(self, place, ab_pipeline, read, release, tiled_mma, acc, tCrA, tCrB,
-                      k_tiles, thr_mma_thread, mma_tidx, store_warp, sC, mC_mn, mC,
+    def _grouped_tile(self, place, consumer, ab_pipeline, read, release, tiled_mma, acc, tCrA,
+                      tCrB, k_tiles, thr_mma_thread, mma_tidx, store_warp, sC, mC_mn, mC,
                       tma_atom_c, c_pipeline, buf_base, barrier):
         """One scheduled tile of a grouped kernel (`_group_place`): nothing past the last
         tile; zeros for rows past the last group; else the group's chain. A full tile is
-        stored by TMA, the one tile of a group shorter than BM row by row."""
+        stored by TMA, the one tile of a group shorter than BM row by row. Ping-pong: the
+        mainloop runs in this consumer's MMA turn and the stores in its epilogue turn (from
+        buffer 0, drained before the turn passes), as in `Sm90GemmPingpong`; a tile that
+        stores or reads nothing still takes both turns, so the consumers keep alternating."""
+        if cutlass.const_expr(self.pingpong):
+            self._turn_wait(consumer, _MMA_TURN)
         if place.rows > 0:
             acc.fill(0.0)
             if place.loads:
                 read.reset_count()
                 release.reset_count()
                 read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
-                                                  tCrA, tCrB, k_tiles, None)
+                                                  tCrA, tCrB, k_tiles, None,
+                                                  drain=not self.pingpong)
+        if cutlass.const_expr(self.pingpong):
+            self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
+        if place.rows > 0:
+            if place.loads:
+                if cutlass.const_expr(self.pingpong):
+                    cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
                 release.advance()
+        if cutlass.const_expr(self.pingpong):
+            self._turn_wait(consumer, _EPI_TURN)
+        if place.rows > 0:
             if place.rows == self.tile_shape_mnk[0]:
                 self._epilogue(acc, tiled_mma, mma_tidx, store_warp, sC,
                                self._tile_c(mC_mn, place), tma_atom_c, c_pipeline, buf_base,
                                barrier)
+                if cutlass.const_expr(self.pingpong):
+                    if store_warp:
+                        c_pipeline.producer_tail()
             else:  # mC: the output itself (mC_mn holds TMA coordinates)
                 bn = self.tile_shape_mnk[1]
                 self._store_rows(acc, thr_mma_thread, self._tile_c(mC, place), place.rows,
                                  cute.size(mC, mode=[1]) - place.n * bn - place.off_n)
+        if cutlass.const_expr(self.pingpong):
+            self._turn_pass(1 - consumer, _EPI_TURN)
         return read, release
+
+    @cute.jit
+    def _tile_stages(self, mC_mn, groups, work, k_tiles):
+        """Stages the producer streams for scheduled tile `work` (ping-pong: what the other
+        consumer's tile takes from the ring): its k tiles, none for a grouped tile that
+        reads nothing (rows past the last group, a tile past the last one)."""
+        stages = k_tiles
+        if cutlass.const_expr(self.grouped):
+            stages = cutlass.Int32(0)
+            if work.is_valid_tile:
+                if self._place(mC_mn, groups, work.tile_idx).loads:
+                    stages = k_tiles
+        return stages
 
     @cute.jit
     def _turn_wait(self, consumer, stage: cutlass.Constexpr):
@@ -365,8 +398,9 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                     self._turn_pass(0, _MMA_TURN)
                     self._turn_pass(0, _EPI_TURN)
                 else:  # consumer 1 starts at the CTA's second tile, past the first's stages
-                    read.advance(k_tiles)
-                    release.advance(k_tiles)
+                    skip = self._tile_stages(mC_mn, groups, work, k_tiles)
+                    read.advance(skip)
+                    release.advance(skip)
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
             if cutlass.const_expr(self.grouped):
@@ -374,11 +408,19 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
             while work.is_valid_tile:
                 tile = work.tile_idx
                 if cutlass.const_expr(self.grouped):
+                    buf_base = 0 if cutlass.const_expr(self.pingpong) else \
+                        sched.num_tiles_executed * self._epi_tiles()
                     read, release = self._grouped_tile(
-                        self._place(mC_mn, groups, tile), ab_pipeline, read, release,
+                        self._place(mC_mn, groups, tile), consumer, ab_pipeline, read, release,
                         tiled_mma, acc, tCrA, tCrB, k_tiles,
                         thr_mma_thread, mma_tidx, store_warp, sC, mC_mn, mC_in, tma_atom_c,
-                        c_pipeline, sched.num_tiles_executed * self._epi_tiles(), barrier)
+                        c_pipeline, buf_base, barrier)
+                    if cutlass.const_expr(self.pingpong):  # skip the other consumer's tile
+                        sched.advance_to_next_work()
+                        skip = self._tile_stages(mC_mn, groups, sched.get_current_work(),
+                                                 k_tiles)
+                        read.advance(skip)
+                        release.advance(skip)
                     sched.advance_to_next_work()
                 else:
                     read.reset_count()
@@ -478,6 +520,16 @@ class Sm90GemmGrouped(_OffsCall, Sm90GemmPersistent):
     grouped = True
 
 
+class Sm90GemmGroupedPingpong(Sm90GemmGrouped):
+    """The grouped kernel with ping-pong consumers: the persistent grouped schedule of
+    `Sm90GemmGrouped`, its tiles taken in turn by two consumer warpgroups that each run a
+    whole tile, as in `Sm90GemmPingpong` (one's epilogue under the other's mainloop). A tile
+    that reads nothing (rows past the last group) takes no stages from the ring, so the
+    consumer that skips it skips none. Every row is the same chain as in `Sm90GemmGrouped`."""
+
+    pingpong = True
+
+
 class Sm90GemmGroupedK(_OffsCall, Sm90GemmPersistent):
     """Grouped GEMM with the groups along K (grouped_mm's 2-D x 2-D form, the weight
     gradient of a mixture-of-experts layer) in one launch: ``C[g] = A[:, group g] @
@@ -547,10 +599,9 @@ def kernel_class(persistent: bool, pingpong: bool = False, grouped: bool = False
                              "needs persistent and no pingpong")
         return Sm90GemmGroupedK
     if grouped:
-        if not persistent or pingpong:
-            raise ValueError("the grouped kernel is persistent and cooperative: grouped needs "
-                             "persistent and no pingpong")
-        return Sm90GemmGrouped
+        if not persistent:
+            raise ValueError("the grouped kernel is persistent: grouped needs persistent")
+        return Sm90GemmGroupedPingpong if pingpong else Sm90GemmGrouped
     if pingpong:
         if not persistent:
             raise ValueError("the ping-pong kernel is persistent: pingpong needs persistent")
