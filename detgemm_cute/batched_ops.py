@@ -17,8 +17,8 @@ The 2-D x 3-D form with bf16/fp16 inputs on SM90 is one launch of the grouped ke
 both read ``offs`` on the device only: no sync, and a CUDA graph captures the call. The
 kernels check offs themselves (a device-side assert: a bad entry is printed and the launch
 fails, as torch's device asserts do).
-Other grouped calls (SM80, fp32 inputs, more groups than the grouped kernel's table holds,
-2-D x 2-D operands TMA cannot read in place) read ``offs`` on the host (one device sync per call; not capturable in a CUDA
+Other grouped calls (SM80, fp32 inputs, more groups than the grouped kernel's table holds)
+read ``offs`` on the host (one device sync per call; not capturable in a CUDA
 graph) and launch one GEMM per non-empty group, spread over a few side streams so
 consecutive groups overlap (disjoint outputs: each row's bits are its group's GEMM alone).
 Measured on an H100 (probes summarised in bench/results/README.md): four side streams
