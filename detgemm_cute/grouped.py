@@ -25,9 +25,6 @@ from .gemm import (_NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_
 from .kernels import tensor_needs as needs
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
-_plans: dict = {}
-
-
 class _Plan:
     __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters")
 
@@ -43,15 +40,21 @@ def _bucket(x, w):
     if (x.dtype not in (torch.bfloat16, torch.float16)
             or not 0 < w.shape[0] <= GROUPED_MAX_GROUPS):
         return None
+    t, k = x.shape
+    groups, _, n = w.shape
+    return table_bucket("grouped", x, max(1, -(-t // groups)), n, k)
+
+
+def table_bucket(op: str, x: torch.Tensor, m: int, n: int, k: int):
+    """The `op` bucket of a one-launch grouped call with 16-bit operands like `x` (table key
+    m, n, k), or None off SM90 or under a forced bucket of another op."""
     arch = arch_of(x.device)
     if arch != "sm90":
         return None
     if _forced.name:
         b = dispatch.bucket_by_name(arch, _forced.name)
-        return b if b.op == "grouped" else None
-    t, k = x.shape
-    groups, _, n = w.shape
-    return dispatch.lookup("grouped", _NAMES[x.dtype], arch, max(1, -(-t // groups)), n, k)
+        return b if b.op == op else None
+    return dispatch.lookup(op, _NAMES[x.dtype], arch, m, n, k)
 
 
 def _operand_units(x, w):
@@ -85,32 +88,44 @@ def plan_key(x, w, offs, out_dtype):
             not w.data_ptr() & 15, _forced.name, _forced.family)
 
 
-def planned(x, w, offs, out_dtype) -> torch.Tensor | None:
-    """The warm call: out [T, N] when a call with this key was checked and planned before
-    (so its arguments pass the checks), else None (the caller checks, then `grouped_mm`)."""
-    try:
-        key = plan_key(x, w, offs, out_dtype or x.dtype)
-    except AttributeError:  # not tensors: the caller's checks name them
-        return None
-    plan = _plans.get(key)
-    return None if plan is None else _run(plan, x, w, offs, out_dtype or x.dtype)
+class PlanCache:
+    """The plans of a one-launch grouped op, by the call's `plan_key`: `make(a, b, offs,
+    out_dtype)` builds one (None: the call runs one GEMM per group), `run(plan, a, b, offs,
+    out_dtype)` launches it. Cleared whenever the registry's user layers change."""
 
+    def __init__(self, make, run):
+        self.make, self.run, self.plans = make, run, {}
+        registry.on_change(self.plans.clear)
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor | None:
-    """out [T, N] in one launch (checked inputs on a CUDA device, K and N >= 1), or None
-    when this call runs one GEMM per group (see `_bucket`)."""
-    key = plan_key(x, w, offs, out_dtype)
-    plan = _plans.get(key)
-    if plan is None:
-        bucket = _bucket(x, w)
-        if bucket is None:
+    def planned(self, a, b, offs, out_dtype) -> torch.Tensor | None:
+        """The warm call: the output when a call with this key was checked and planned
+        before (so its arguments pass the checks), else None (the caller checks, then
+        `call`)."""
+        try:
+            key = plan_key(a, b, offs, out_dtype or a.dtype)
+        except AttributeError:  # not tensors: the caller's checks name them
             return None
-        plan = _make_plan(bucket, x, w, out_dtype)
-        if len(_plans) > 4096:
-            _plans.clear()
-        _plans[key] = plan
-    return _run(plan, x, w, offs, out_dtype)
+        plan = self.plans.get(key)
+        return None if plan is None else self.run(plan, a, b, offs, out_dtype or a.dtype)
+
+    def call(self, a, b, offs, out_dtype) -> torch.Tensor | None:
+        """The output in one launch (checked inputs on a CUDA device), or None when this
+        call runs one GEMM per group."""
+        key = plan_key(a, b, offs, out_dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.make(a, b, offs, out_dtype)
+            if plan is None:
+                return None
+            if len(self.plans) > 4096:
+                self.plans.clear()
+            self.plans[key] = plan
+        return self.run(plan, a, b, offs, out_dtype)
+
+
+def _new_plan(x, w, offs, out_dtype):
+    bucket = _bucket(x, w)
+    return None if bucket is None else _make_plan(bucket, x, w, out_dtype)
 
 
 def _run(plan, x, w, offs, out_dtype):
@@ -129,6 +144,10 @@ def _run(plan, x, w, offs, out_dtype):
     return out.contiguous() if plan.pad_cols else out
 
 
-registry.on_change(_plans.clear)
+_cache = PlanCache(_new_plan, _run)
+# planned(x, w, offs, out_dtype): the warm call, or None; grouped_mm(x, w, offs, out_dtype):
+# out [T, N] in one launch (checked inputs on a CUDA device, K and N >= 1), or None when this
+# call runs one GEMM per group (see `_bucket`).
+planned, grouped_mm = _cache.planned, _cache.call
 
-__all__ = ["grouped_mm", "planned", "kernel_key"]
+__all__ = ["grouped_mm", "planned", "kernel_key", "plan_key", "PlanCache", "table_bucket"]

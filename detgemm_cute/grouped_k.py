@@ -22,14 +22,11 @@ from __future__ import annotations
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry
-from .gemm import (_NAMES, _forced, _gpu_arch, _unit_dim, arch_of, launch_on,
-                   max_clusters_for, output_rows)
-from .grouped import plan_key
+from .gemm import _NAMES, _gpu_arch, _unit_dim, launch_on, max_clusters_for, output_rows
+from .grouped import PlanCache, table_bucket
 from .kernels import tensor_needs as needs
 
 OP = "grouped_k"
-_plans: dict = {}
 
 
 class _Plan:
@@ -54,14 +51,8 @@ def bucket_for(a, b, groups: int):
     kernel family, fp32 inputs, a forced bucket that is not a grouped_k one)."""
     if a.dtype not in (torch.bfloat16, torch.float16) or groups < 1:
         return None
-    arch = arch_of(a.device)
-    if arch != "sm90":
-        return None
-    if _forced.name:
-        bucket = dispatch.bucket_by_name(arch, _forced.name)
-        return bucket if bucket.op == OP else None
     m, t = a.shape
-    return dispatch.lookup(OP, _NAMES[a.dtype], arch, m, b.shape[1], max(1, -(-t // groups)))
+    return table_bucket(OP, a, m, b.shape[1], max(1, -(-t // groups)))
 
 
 def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey:
@@ -83,33 +74,6 @@ def _make_plan(a, b, offs, out_dtype):
                  max_clusters_for(a.device, bucket.cluster))
 
 
-def planned(a, b, offs, out_dtype) -> torch.Tensor | None:
-    """The warm call: out [G, M, N] when a call with this key was checked and planned before
-    (so its arguments pass the checks), else None (the caller checks, then `grouped_mm_k`)."""
-    try:
-        key = plan_key(a, b, offs, out_dtype or a.dtype)
-    except AttributeError:  # not tensors: the caller's checks name them
-        return None
-    plan = _plans.get(key)
-    return None if plan is None else _run(plan, a, b, offs, out_dtype or a.dtype)
-
-
-def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor | None:
-    """out [G, M, N] in one launch (checked inputs on a CUDA device), or None when this call
-    runs one GEMM per group (see `bucket_for`)."""
-    key = plan_key(a, b, offs, out_dtype)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(a, b, offs, out_dtype)
-        if plan is None:
-            return None
-        if len(_plans) > 4096:
-            _plans.clear()
-        _plans[key] = plan
-    return _run(plan, a, b, offs, out_dtype)
-
-
 def _run(plan, a, b, offs, out_dtype):
     (m, t), n, groups = a.shape, b.shape[1], offs.shape[0]
     if not (m and n and t):  # nothing to read: every entry is zeros (or there are none)
@@ -127,6 +91,10 @@ def _run(plan, a, b, offs, out_dtype):
     return out.contiguous() if plan.pad_cols else out
 
 
-registry.on_change(_plans.clear)
+_cache = PlanCache(_make_plan, _run)
+# planned(a, b, offs, out_dtype): the warm call, or None; grouped_mm_k(a, b, offs, out_dtype):
+# out [G, M, N] in one launch (checked inputs on a CUDA device), or None when this call runs
+# one GEMM per group (see `bucket_for`).
+planned, grouped_mm_k = _cache.planned, _cache.call
 
 __all__ = ["grouped_mm_k", "planned", "kernel_key", "bucket_for"]

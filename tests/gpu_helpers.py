@@ -130,3 +130,15 @@ def rand(*shape, dtype=torch.bfloat16):
 
 def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def fails_on_the_device(code: str, message: str) -> None:
+    """Run `code` in a fresh Python process (a failed launch ends the CUDA context) and
+    check that it fails with `message` in its output: a device-side check."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr
