@@ -225,7 +225,8 @@ def test_warmup_all_includes_the_direct_store_twins():
     assert all(not (k.pingpong or k.split or k.accumulate or k.tile[0] < 64) for k in direct)
     for b in registry.get_registry("sm90").buckets:
         twins = [call for call, k in aot._bucket_keys(b, "sm_90a", "all") if k.c_direct]
-        assert bool(twins) == (b.op in ("fwd", "dx", "dw", "bmm") and "fp32" not in b.dtypes
+        assert bool(twins) == (b.op in ("fwd", "dx", "dw", "bmm", "grouped_k")
+                               and "fp32" not in b.dtypes
                                and "tf32" not in b.dtypes
                                and stores_direct("sm90", b, True)), b.name
     # bmm plans run direct-store outputs without a multicast cluster (batched.plan_key), and
