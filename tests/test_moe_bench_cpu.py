@@ -86,6 +86,29 @@ def test_sweep_candidates_are_valid_grouped_buckets(bench, tmp_path):
         (c["tile"], c["cluster"], c["stages"]) for c in sg.CANDIDATES]
 
 
+def test_sweep_candidates_k_are_valid_grouped_k_buckets(bench, tmp_path):
+    sg = bench("sweep_grouped")
+    names = sg.candidate_layer(tmp_path / "k.yaml", "grouped_k", "gkcand", sg.CANDIDATES_K)
+    assert len(names) == len(sg.CANDIDATES_K)
+    assert {registry.get_registry("sm90").bucket(nm).op for nm in names} == {"grouped_k"}
+
+
+def test_sweep_dw_pass_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
+    """The dw pass times the grouped_k candidates and records its table key (K, N, m_avg)."""
+    fake_cuda.install(monkeypatch)
+    sg = bench("sweep_grouped")
+    monkeypatch.setattr(sg, "MODEL_BY_NAME", {"tiny": TINY})
+    monkeypatch.setattr(sg, "PRIORITY", (("tiny", 8),))
+    out = tmp_path / "sweep.json"
+    assert sg.main(["--out", str(out), "--models", "tiny", "--tokens", "8", "--candidates",
+                    "2", "--passes", "dw"]) == 0
+    rec = json.loads(out.read_text())
+    assert len(rec["rows"]) == 2 and all(nm.startswith("gkcand.") for nm in rec["candidates"])
+    assert {tuple(r["table_key"]) for r in rec["rows"]} == {(32, 32, 6), (16, 32, 6)}
+    assert all(r["bits_ok"] is True for r in rec["rows"])
+    capsys.readouterr()
+
+
 def test_sweep_main_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
     fake_cuda.install(monkeypatch)
     sg = bench("sweep_grouped")
@@ -173,3 +196,16 @@ def test_fit_refuses_other_files(bench, tmp_path):
     assert fg.fields_of_name("gcand.128x192x64_c1x2_s5_p_pingpong")["pingpong"] is True
     with pytest.raises(ValueError, match="kernel fields"):
         fg.fields_of_name("gcand.odd")
+
+
+def test_grouped_k_block_of_the_table_is_the_fit_of_its_record(bench):
+    """configs/sm90.yaml's grouped_k block is exactly what fit_grouped.py writes from the
+    committed dW sweep record: the table is data from that record, not edited by hand."""
+    fg = bench("fit_grouped")
+    record = os.path.join(BENCH, "results", "tune",
+                          "grouped_k_sweep_nvidia-h100-80gb-hbm3.json.gz")
+    _report, block = fg.fit([record], op="grouped_k")
+    with open(os.path.join(ROOT, "configs", "sm90.yaml"), encoding="utf-8") as f:
+        text = f.read()
+    assert fg.replace_block(text, block, "grouped_k") == text
+
