@@ -266,7 +266,7 @@ def _grouped_impl(a, b, offs, out_dtype, op):
             start = end
     else:
         m, t, n = a.shape[0], a.shape[1], b.shape[1]  # 2-D x 2-D: groups along T
-        if a.is_cuda:
+        if a.is_cuda and m and n:
             y = grouped_k.grouped_mm_k(a, b, offs, dt)  # one launch; offs checked on the device
             if y is not None:
                 return y

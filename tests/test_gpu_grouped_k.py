@@ -91,6 +91,16 @@ def test_grouped_k_shapes(m, n, dtype):
     _assert_entries(dg.grouped_mm(a, b, _offs(sizes)), a, b, sizes)
 
 
+@pytest.mark.parametrize("m,t,n", [(0, 50, 16), (16, 50, 0), (16, 0, 16)])
+def test_empty_dims(m, t, n):
+    """M or N of 0 (nothing to compute) and T of 0 (every group empty): zeros of the right
+    shape, as torch._grouped_mm gives."""
+    sizes = [t // 2, 0, t - t // 2]
+    a, b = _operands(m, t, n, "m", "n")
+    y = dg.grouped_mm(a, b, _offs(sizes))
+    assert y.shape == (3, m, n) and not y.any()
+
+
 def test_nan_and_inf_stay_in_their_group():
     """A group's last k tile is loaded with the next group's values; they must be zeroed on
     both sides (0 x Inf would be NaN), so a neighbour's NaN or Inf never reaches an entry."""
