@@ -52,9 +52,8 @@ def layers(models, tokens, passes):
 
 def bucket_of(pass_, m_avg, n, k) -> str:
     """The bucket the pass's call dispatches to (`gemm_dims`' key: dw's is (M, N, m_avg))."""
-    if pass_ == "dw":
-        return dispatch.lookup("grouped_k", "bf16", "sm90", m_avg, n, k).name
-    return dispatch.lookup("grouped", "bf16", "sm90", m_avg, n, k).name
+    op = "grouped_k" if pass_ == "dw" else "grouped"
+    return dispatch.lookup(op, "bf16", "sm90", m_avg, n, k).name
 
 
 def run_layer(model, tokens, proj, k, n, pass_, gen, l2, cap) -> dict:

@@ -25,7 +25,11 @@ from .gemm import (_NAMES, _forced, _gpu_arch, arch_of, launch_on, max_clusters_
 from .kernels import tensor_needs as needs
 from .kernels.sm90_limits import GROUPED_MAX_GROUPS
 
-class _Plan:
+
+class Plan:
+    """A one-launch grouped call's kernel, which operands it copies first (`stage_a`,
+    `stage_b`), the padded output width (0: none) and the persistent grid."""
+
     __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters")
 
     def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters):
@@ -77,7 +81,7 @@ def kernel_key(bucket, x, w, out_dtype, b_unit="derive") -> kcompile.KernelKey:
 def _make_plan(bucket, x, w, out_dtype):
     a_unit, b_unit = _operand_units(x, w)
     max_clusters = max_clusters_for(x.device, bucket.cluster)
-    return _Plan(kcompile.get(kernel_key(bucket, x, w, out_dtype, b_unit)), a_unit is None,
+    return Plan(kcompile.get(kernel_key(bucket, x, w, out_dtype, b_unit)), a_unit is None,
                  b_unit is None, padded_width(w.shape[2], out_dtype), max_clusters)
 
 
@@ -150,4 +154,4 @@ _cache = PlanCache(_new_plan, _run)
 # call runs one GEMM per group (see `_bucket`).
 planned, grouped_mm = _cache.planned, _cache.call
 
-__all__ = ["grouped_mm", "planned", "kernel_key", "plan_key", "PlanCache", "table_bucket"]
+__all__ = ["grouped_mm", "planned", "kernel_key", "plan_key", "Plan", "PlanCache", "table_bucket"]

@@ -23,18 +23,10 @@ import torch
 
 from . import compile as kcompile
 from .gemm import _NAMES, _gpu_arch, _unit_dim, launch_on, max_clusters_for, output_rows
-from .grouped import PlanCache, table_bucket
+from .grouped import Plan, PlanCache, table_bucket
 from .kernels import tensor_needs as needs
 
 OP = "grouped_k"
-
-
-class _Plan:
-    __slots__ = ("fn", "stage_a", "stage_b", "pad_cols", "max_clusters")
-
-    def __init__(self, fn, stage_a, stage_b, pad_cols, max_clusters):
-        self.fn, self.stage_a, self.stage_b = fn, stage_a, stage_b
-        self.pad_cols, self.max_clusters = pad_cols, max_clusters
 
 
 def _t_rows(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +61,7 @@ def _make_plan(a, b, offs, out_dtype):
     if bucket is None:
         return None
     c_direct, pad_cols = output_rows("sm90", bucket, b.shape[1], out_dtype, True)
-    return _Plan(kcompile.get(kernel_key(bucket, a, b, out_dtype, c_direct)),
+    return Plan(kcompile.get(kernel_key(bucket, a, b, out_dtype, c_direct)),
                  _unit_dim(a) != "first", _unit_dim(b) != "last", pad_cols,
                  max_clusters_for(a.device, bucket.cluster))
 

@@ -142,3 +142,8 @@ def fails_on_the_device(code: str, message: str) -> None:
                        timeout=600)
     assert r.returncode != 0
     assert message in r.stdout + r.stderr
+
+
+def group_ends(sizes):
+    """Group sizes -> grouped_mm's offs: int32 cumulative ends on the GPU."""
+    return torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)

@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
 
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import gemm, registry  # noqa: E402
-from gpu_helpers import fails_on_the_device, poison, rand, same_bits  # noqa: E402
+from gpu_helpers import (fails_on_the_device, group_ends, poison, rand,  # noqa: E402
+                         same_bits)
 
 if gemm.arch_of(torch.device("cuda")) != "sm90":
     pytest.skip("the grouped kernel is SM90's", allow_module_level=True)
@@ -30,10 +31,6 @@ if gemm.arch_of(torch.device("cuda")) != "sm90":
 
 def _buckets():
     return sorted(b.name for b in registry.get_registry("sm90").buckets if b.op == "grouped")
-
-
-def _offs(sizes):
-    return torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
 
 
 def _weights(experts, k, n, layout, dtype=torch.bfloat16):
@@ -68,10 +65,10 @@ def test_every_grouped_bucket_matches_mm(name, layout):
     w = _weights(len(sizes), k, n, layout)
     with dg.force_bucket(name):
         poison()
-        y = dg.grouped_mm(x, w, _offs(sizes))
+        y = dg.grouped_mm(x, w, group_ends(sizes))
         _assert_groups(y, x, w, sizes)
         poison()
-        y32 = dg.grouped_mm(x, w, _offs(sizes), out_dtype=torch.float32)
+        y32 = dg.grouped_mm(x, w, group_ends(sizes), out_dtype=torch.float32)
         _assert_groups(y32, x, w, sizes, out_dtype=torch.float32)
 
 
@@ -95,7 +92,7 @@ def test_pingpong_grouped_matches_mm(tmp_path, tile, cluster, stages):
         w = _weights(len(sizes), k, n, layout)
         with dg.force_bucket("gpp"):
             poison()
-            _assert_groups(dg.grouped_mm(x, w, _offs(sizes)), x, w, sizes)
+            _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
 
 
 @pytest.mark.parametrize("k,n", [(100, 300), (64, 8), (4096, 2048)])
@@ -108,7 +105,7 @@ def test_grouped_layouts_and_sizes(k, n, dtype):
     for layout in ("k", "n"):
         w = _weights(len(sizes), k, n, layout, dtype)
         poison()
-        _assert_groups(dg.grouped_mm(x, w, _offs(sizes)), x, w, sizes)
+        _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
 
 
 def test_token_row_does_not_depend_on_its_group_size():
@@ -121,7 +118,7 @@ def test_token_row_does_not_depend_on_its_group_size():
                   [129, 64, 1000, 7, 800, 0, 1000, 0]):
         g0 = next(g for g, s in enumerate(sizes) if s)
         poison()
-        y = dg.grouped_mm(x, w, _offs(sizes))
+        y = dg.grouped_mm(x, w, group_ends(sizes))
         assert same_bits(y[:1], want[g0]), sizes
 
 
@@ -130,14 +127,14 @@ def test_grouped_is_captured_and_reads_offs_on_the_device():
     w = _weights(experts, k, n, "k")
     x = rand(900, k)
     first, second = [100, 0, 300, 50, 250, 150], [1, 600, 0, 99, 0, 190]
-    offs = _offs(first)
+    offs = group_ends(first)
     dg.grouped_mm(x, w, offs)  # compile outside the capture
     out = torch.empty(900, n, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.copy_(dg.grouped_mm(x, w, offs))
     for sizes in (first, second):
-        offs.copy_(_offs(sizes))
+        offs.copy_(group_ends(sizes))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -151,7 +148,7 @@ def test_grouped_backward_in_one_launch_forms():
     x = rand(188, 256).requires_grad_()
     w = _weights(4, 256, 192, "k").detach().requires_grad_()
     g = rand(188, 192)
-    dg.grouped_mm(x, w, _offs(sizes)).backward(g)
+    dg.grouped_mm(x, w, group_ends(sizes)).backward(g)
     start = 0
     for e, size in enumerate(sizes):
         rows = slice(start, start + size)

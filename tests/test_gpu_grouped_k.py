@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
 
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import gemm, grouped_k, registry  # noqa: E402
-from gpu_helpers import fails_on_the_device, poison, rand, same_bits  # noqa: E402
+from gpu_helpers import (fails_on_the_device, group_ends, poison, rand,  # noqa: E402
+                         same_bits)
 
 if gemm.arch_of(torch.device("cuda")) != "sm90":
     pytest.skip("the grouped-K kernel is SM90's", allow_module_level=True)
@@ -33,10 +34,6 @@ SIZES = [0, 1, 63, 64, 65, 0, 3 * 64 + 17, 5, 128, 200]  # cut a 64-wide k tile 
 def _buckets():
     return sorted(b.name for b in registry.get_registry("sm90").buckets
                   if b.op == grouped_k.OP)
-
-
-def _offs(sizes):
-    return torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
 
 
 def _operands(m, t, n, a_layout, b_layout, dtype=torch.bfloat16):
@@ -74,9 +71,9 @@ def test_every_grouped_k_bucket_matches_mm(name, layouts):
     a, b = _operands(m, sum(SIZES) + 9, n, *layouts)  # 9 columns past the last group
     with dg.force_bucket(name):
         poison()
-        _assert_entries(dg.grouped_mm(a, b, _offs(SIZES)), a, b, SIZES)
+        _assert_entries(dg.grouped_mm(a, b, group_ends(SIZES)), a, b, SIZES)
         poison()
-        y32 = dg.grouped_mm(a, b, _offs(SIZES), out_dtype=torch.float32)
+        y32 = dg.grouped_mm(a, b, group_ends(SIZES), out_dtype=torch.float32)
         _assert_entries(y32, a, b, SIZES, out_dtype=torch.float32)
 
 
@@ -88,7 +85,7 @@ def test_grouped_k_shapes(m, n, dtype):
     sizes = [37, 0, 200, 129, 1, 64, 700]
     a, b = _operands(m, sum(sizes), n, "m", "n", dtype)
     poison()
-    _assert_entries(dg.grouped_mm(a, b, _offs(sizes)), a, b, sizes)
+    _assert_entries(dg.grouped_mm(a, b, group_ends(sizes)), a, b, sizes)
 
 
 @pytest.mark.parametrize("m,t,n", [(0, 50, 16), (16, 50, 0), (16, 0, 16)])
@@ -97,7 +94,7 @@ def test_empty_dims(m, t, n):
     shape, as torch._grouped_mm gives."""
     sizes = [t // 2, 0, t - t // 2]
     a, b = _operands(m, t, n, "m", "n")
-    y = dg.grouped_mm(a, b, _offs(sizes))
+    y = dg.grouped_mm(a, b, group_ends(sizes))
     assert y.shape == (3, m, n) and not y.any()
 
 
@@ -106,12 +103,12 @@ def test_nan_and_inf_stay_in_their_group():
     both sides (0 x Inf would be NaN), so a neighbour's NaN or Inf never reaches an entry."""
     sizes = [70, 50, 33, 130, 1, 64]
     a, b = _operands(320, sum(sizes), 256, "m", "n")
-    starts = _offs([0] + sizes[:-1]).tolist()
+    starts = group_ends([0] + sizes[:-1]).tolist()
     a[:, starts[1]:starts[1] + 3] = float("nan")  # group 1: group 0's tail reads these
     b[starts[3]:starts[3] + 2] = float("inf")  # group 3: group 2's tail reads these
     a[:, starts[5]] = float("inf")  # group 5: group 4 (one column) reads it
     poison()
-    y = dg.grouped_mm(a, b, _offs(sizes))
+    y = dg.grouped_mm(a, b, group_ends(sizes))
     _assert_entries(y, a, b, sizes, skip=(1, 3, 5))
     assert y[1].isnan().any() and not y[0].isnan().any()
 
@@ -119,14 +116,14 @@ def test_nan_and_inf_stay_in_their_group():
 def test_grouped_k_is_captured_and_reads_offs_on_the_device():
     first, second = [100, 0, 300, 50, 250, 150], [1, 600, 0, 99, 0, 190]
     a, b = _operands(512, 900, 640, "m", "n")
-    offs = _offs(first)
+    offs = group_ends(first)
     dg.grouped_mm(a, b, offs)  # compile outside the capture
     out = torch.empty(6, 512, 640, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.copy_(dg.grouped_mm(a, b, offs))
     for sizes in (first, second):
-        offs.copy_(_offs(sizes))
+        offs.copy_(group_ends(sizes))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -140,7 +137,7 @@ def test_moe_weight_gradient_in_one_launch():
     x = rand(sum(sizes), 256)
     w = rand(5, 192, 256).transpose(1, 2).detach().requires_grad_()  # [E, K, N] view
     g = rand(sum(sizes), 192)
-    dg.grouped_mm(x, w, _offs(sizes)).backward(g)
+    dg.grouped_mm(x, w, group_ends(sizes)).backward(g)
     start = 0
     for e, size in enumerate(sizes):
         rows = slice(start, start + size)

@@ -93,16 +93,22 @@ def test_sweep_candidates_k_are_valid_grouped_k_buckets(bench, tmp_path):
     assert {registry.get_registry("sm90").bucket(nm).op for nm in names} == {"grouped_k"}
 
 
-def test_sweep_dw_pass_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
-    """The dw pass times the grouped_k candidates and records its table key (K, N, m_avg)."""
+def _fake_sweep(bench, monkeypatch, tmp_path, *extra) -> dict:
+    """sweep_grouped.py's main on a fake GPU over the tiny model (8 tokens, 2 candidates):
+    its record."""
     fake_cuda.install(monkeypatch)
     sg = bench("sweep_grouped")
     monkeypatch.setattr(sg, "MODEL_BY_NAME", {"tiny": TINY})
     monkeypatch.setattr(sg, "PRIORITY", (("tiny", 8),))
     out = tmp_path / "sweep.json"
     assert sg.main(["--out", str(out), "--models", "tiny", "--tokens", "8", "--candidates",
-                    "2", "--passes", "dw"]) == 0
-    rec = json.loads(out.read_text())
+                    "2", *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_sweep_dw_pass_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
+    """The dw pass times the grouped_k candidates and records its table key (K, N, m_avg)."""
+    rec = _fake_sweep(bench, monkeypatch, tmp_path, "--passes", "dw")
     assert len(rec["rows"]) == 2 and all(nm.startswith("gkcand.") for nm in rec["candidates"])
     assert {tuple(r["table_key"]) for r in rec["rows"]} == {(32, 32, 6), (16, 32, 6)}
     assert all(r["bits_ok"] is True for r in rec["rows"])
@@ -110,14 +116,7 @@ def test_sweep_dw_pass_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
 
 
 def test_sweep_main_on_fake_gpu(bench, monkeypatch, tmp_path, capsys):
-    fake_cuda.install(monkeypatch)
-    sg = bench("sweep_grouped")
-    monkeypatch.setattr(sg, "MODEL_BY_NAME", {"tiny": TINY})
-    monkeypatch.setattr(sg, "PRIORITY", (("tiny", 8),))
-    out = tmp_path / "sweep.json"
-    assert sg.main(["--out", str(out), "--models", "tiny", "--tokens", "8", "--candidates",
-                    "2"]) == 0
-    rec = json.loads(out.read_text())
+    rec = _fake_sweep(bench, monkeypatch, tmp_path)
     assert len(rec["rows"]) == 4 and len(rec["candidates"]) == 2
     assert {(r["proj"], r["pass"]) for r in rec["rows"]} == {
         (p, q) for p in ("up", "down") for q in ("fwd", "dx")}
