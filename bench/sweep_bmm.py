@@ -96,7 +96,8 @@ PV_PROBLEMS = [("llama3-8b", 160, 1500, 128), ("llama3-70b/tp8", 40, 1500, 128),
                ("phi2", 160, 1500, 80), ("gpt2", 60, 1500, 64), ("llama3-8b", 96, 2500, 128),
                ("llama3-8b", 128, 2047, 128), ("llama3-8b", 320, 777, 128),
                ("llama3-8b", 768, 333, 128)]
-PV_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "128x128x64_c1x1_s4_p")
+PV_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "128x64x64_c1x1_s6_p",
+           "128x128x64_c1x1_s4_p", "128x128x64_c2x1_s4_p")
 # Stored in the records' meta: the `table` column is unforced dg.bmm on the built-in table
 # (records without it timed the candidate layer's first tile there; `fit_bmm` drops those).
 TABLE_TIMING = "built-in table"

@@ -130,7 +130,13 @@ def test_floor_cli_renders_a_stored_report(tmp_path, capsys):
     fl = tmp_path / "fl.json"
     fl.write_text(json.dumps(_floor_data()))
     assert floor.main([str(rep), str(fl)]) == 0
-    assert "chain" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chain" in out
+    flz = tmp_path / "fl.json.gz"  # stored records are compressed: both may be
+    with gzip.open(flz, "wt") as f:
+        json.dump(_floor_data(), f)
+    assert floor.main([str(rep), str(flz)]) == 0
+    assert capsys.readouterr().out == out
     assert floor.main([str(rep)]) == 2
 
 

@@ -110,8 +110,8 @@ def test_rows_below_the_floor_are_reported_with_the_best_tile(fb, tmp_path):
 def test_an_older_records_table_column_is_not_the_table(fb, tmp_path):
     """Records without `table_timing` timed the candidate layer's first tile as `table` (the
     layer shadowed the built-in table): the fit takes the candidate with the table's kernel
-    instead. bmm_m1025_n65_128 is 128x128x64 persistent, 4 stages."""
-    c128 = "bcand.128x128x64_c1x1_s4_p"
+    instead. bmm_m1025_n65_128 is 128x128x64 persistent, 4 stages, a 2x1 cluster."""
+    c128 = "bcand.128x128x64_c2x1_s4_p"
     rows = [row(m, {A: 200.0, c128: 110.0, "table": 200.0}, kind="pv", k=m, n=128)
             for m in (1500, 2500)]
     assert {dispatch.lookup("bmm", "bf16", "sm90", m, 128, m).name

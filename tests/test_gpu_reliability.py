@@ -60,14 +60,14 @@ def test_threads_and_cold_caches():
     _gemm._plans.clear()
     with kcompile._lock:
         kcompile._compiled.clear()
-    builds = []
-    real_build = kcompile.build
+    builds = []  # compiles or AOT-cache loads (DETGEMM_CUTE_AOT_DIR may be set): one wanted
+    real_load_or_build = kcompile._load_or_build
 
-    def counting_build(key, *a, **k):
+    def counting_load_or_build(key, *a, **k):
         builds.append(key)
-        return real_build(key, *a, **k)
+        return real_load_or_build(key, *a, **k)
 
-    kcompile.build = counting_build
+    kcompile._load_or_build = counting_load_or_build
     errors, results = [], [None] * 6
     barrier = threading.Barrier(6)
 
@@ -89,7 +89,7 @@ def test_threads_and_cold_caches():
         for t in threads:
             t.join()
     finally:
-        kcompile.build = real_build
+        kcompile._load_or_build = real_load_or_build
     assert not errors, errors
     assert len(builds) == len(set(builds)) == 1  # compiled once
     assert all(same_bits(r, want) for r in results)

@@ -49,7 +49,7 @@ class FloorModel:
 
     @classmethod
     def load(cls, path: str) -> "FloorModel":
-        with open(path) as f:
+        with _open_text(path) as f:
             return cls(json.load(f))
 
     def step_ns(self, n: int, form: str = "wgmma", steps: int = 8, depth: int = 1):
@@ -79,6 +79,13 @@ class FloorModel:
                 "floor_us": floor_us, "t_step_ns": t_step,
                 "bound": "bandwidth" if bw_us >= chain_us else "chain",
                 "ratio": det / floor_us if det else None}
+
+
+def _open_text(path: str):
+    """A stored record, gzip-compressed (``.gz``) or not."""
+    import gzip
+
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
 _TILE = re.compile(r"\b(\d+)x(\d+)x(\d+)\b")
@@ -188,17 +195,15 @@ def write_plot(rows, path: str, title: str):
 
 
 def main(argv=None) -> int:
-    """`python -m detgemm_cute.benchlib.floor REPORT.json[.gz] FLOOR.json`: print the floor
+    """`python -m detgemm_cute.benchlib.floor REPORT.json[.gz] FLOOR.json[.gz]`: print the floor
     section for the fwd rows of a stored bench_gemm report (no GPU)."""
-    import gzip
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print(main.__doc__.strip(), file=sys.stderr)
         return 2
-    opener = gzip.open if argv[0].endswith(".gz") else open
-    with opener(argv[0], "rt") as f:
+    with _open_text(argv[0]) as f:
         rows = json.load(f)["rows"]
     model = FloorModel.load(argv[1])
     attach(rows, model)
