@@ -136,7 +136,8 @@ def _variants(bucket, which: str):
 def _bucket_keys(bucket, arch: str, which: str):
     """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
     direct-store twin of each key whose outputs at an unaligned width the kernel's threads
-    store (`gemm.stores_direct`; bmm's as its plans run them, `batched.plan_key`) and, for
+    store (`gemm.stores_direct`; bmm's as its plans run them: the bucket's `direct` kernel,
+    `batched.plan_key`) and, for
     bmm, the twin that reads a K-major A of unaligned rows with the producer warpgroup
     (`batched.reads_a_rows`), so a warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
@@ -146,7 +147,8 @@ def _bucket_keys(bucket, arch: str, which: str):
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
                      or call["dtype"] == "tf32")  # grouped_k stores like a plain GEMM
         if which == "all" and stores_direct(family, bucket, plain):
-            twin = kcompile.KernelKey.for_bucket(bucket, arch=arch, c_direct=True, **call)
+            twin = kcompile.KernelKey.for_bucket(bucket.direct or bucket, arch=arch,
+                                                 c_direct=True, **call)
             yield {**call, "c_direct": True}, plan_key(twin) if call.get("batched") else twin
         if (which == "all" and bucket.op == "bmm" and plain and call["a_major"] == "k"
                 and reads_a_rows(family, bucket)):

@@ -86,8 +86,10 @@ class _Plan:
 
 
 def kernel_layout(a, b, bias, out_dtype, bucket):
-    """How `bucket` runs this call: (KernelKey, stage_a, stage_b, pad_cols). Benchmarks use it
-    to compile a sweep's kernels ahead, in parallel."""
+    """How `bucket` runs this call: (KernelKey, stage_a, stage_b, pad_cols). Outputs the
+    tile's threads store run the bucket's `direct` kernel where it has one (their epilogue
+    favours other tiles than TMA stores do). Benchmarks use it to compile a sweep's kernels
+    ahead, in parallel."""
     dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
     a_unit, b_unit = _inner_unit(a), _inner_unit(b)
     if a_unit == "first" and bucket.tile[0] < 64:
@@ -98,11 +100,15 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
     arch = arch_of(a.device)
+    c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
+                                     half_sectors=True)
+    if c_direct and bucket.direct is not None:  # the bucket's kernel for such outputs
+        bucket = bucket.direct
+        c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
+                                         half_sectors=True)
     a_loads = (stage_a and dtype != TF32 and needs.a_rows(batched=True).meets(a)
                and reads_a_rows(arch, bucket, a.shape[2]))
     stage_a = stage_a and not a_loads
-    c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
-                                     half_sectors=True)
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,

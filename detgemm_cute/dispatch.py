@@ -148,6 +148,12 @@ class Explanation:
             f"{str(b.persistent).lower()}{', ping-pong' if b.pingpong else ''}"
             f"{', operands swapped (C^T = B A^T)' if b.swap_ab else ''}",
         ]
+        if b.direct is not None:
+            d = b.direct
+            lines.append(f"  direct:  outputs the tile's threads store (rows TMA cannot address "
+                         f"or would store as half sectors) run tile {'x'.join(map(str, d.tile))}"
+                         f", cluster {'x'.join(map(str, d.cluster))}, stages {d.stages}, "
+                         f"persistent {str(d.persistent).lower()}")
         if b.note:
             lines.append(f"  note:    {b.note}")
         for alt, us in self.predicted:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from . import wave_cost
+from . import config_yaml, wave_cost
 from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
 from .kernels.limits_common import config_label
 
@@ -73,11 +73,14 @@ _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
 _DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
              "pingpong": False, "swap_ab": False, "raster_n": False, "note": ""}
-_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms")
+_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms", "direct")
 _DIMS = ("m", "n", "k")
 # Keys of one entry of `alternatives` (the kernel fields of a bucket, plus its cost).
 _KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab", "raster_n")
 _ALT_KEYS = _KERNEL_KEYS + ("cost",)
+# Keys of a bmm bucket's `direct`: the kernel its calls run where the tile's threads store
+# the outputs (rows TMA cannot address or would store as half sectors; `batched`).
+_DIRECT_KEYS = ("tile", "cluster", "stages", "persistent")
 
 
 class ConfigError(ValueError):
@@ -122,6 +125,7 @@ class Bucket:
     group: str = ""  # the bucket this is one alternative of ("" = a bucket of its own)
     cost: tuple = ()  # wave-cost coefficients in us (alternatives only, see wave_cost.py)
     sms: int = 0  # the SM count the costs were measured on (alternatives only)
+    direct: "Bucket | None" = None  # bmm: the kernel of calls whose outputs the threads store
 
     def contains(self, m: int, n: int, k: int) -> bool:
         return _in(m, self.m) and _in(n, self.n) and _in(k, self.k)
@@ -180,49 +184,8 @@ def limits_for(arch: str):
 
 
 # ---------------------------------------------------------------------------------------
-# YAML with line numbers
+# Reading a config file (YAML with line numbers: config_yaml)
 # ---------------------------------------------------------------------------------------
-
-class _Mapping(dict):
-    """A YAML mapping that remembers its line, each key's line and repeated keys."""
-
-    line = 0
-    key_lines: dict = {}
-    repeated: tuple = ()
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-def _construct_mapping(loader, node):
-    # A key written twice is an error, but a key that overrides one pulled in by a YAML
-    # merge (`<<: *base`) is what merges are for: look for repeats among written keys only.
-    written, repeated = set(), []
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        try:
-            key = loader.construct_object(key_node, deep=True)
-            hash(key)
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, "a mapping key must be a plain value", key_node.start_mark)
-        if key in written:
-            repeated.append((key, key_node.start_mark.line + 1))
-        written.add(key)
-    loader.flatten_mapping(node)
-    out, lines = _Mapping(), {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        out[key] = loader.construct_object(value_node, deep=True)
-        lines[key] = key_node.start_mark.line + 1
-    out.line, out.key_lines, out.repeated = node.start_mark.line + 1, lines, tuple(repeated)
-    return out
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
 
 def _read_yaml(path: Path):
     try:
@@ -234,7 +197,7 @@ def _read_yaml(path: Path):
         raise ConfigError(path, [f"{show_path(path)}: cannot read config file: not UTF-8 text "
                                  f"(byte {e.object[e.start]:#04x} at offset {e.start})"]) from None
     try:
-        return yaml.load(text, Loader=_Loader)
+        return config_yaml.load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{show_path(path)}:{mark.line + 1}" if mark else show_path(path)
@@ -463,7 +426,7 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
     if "sms" in raw and not choice:
         probs.add(key_lines["sms"], "sms belongs to a bucket with alternatives", label, "sms")
     values = dict(_DEFAULTS)
-    skip = ("alternatives", "sms") + (_KERNEL_KEYS if choice else ())
+    skip = ("alternatives", "sms", "direct") + (_KERNEL_KEYS if choice else ())
     for key in _BUCKET_KEYS:
         if key in raw and key not in skip:
             v, err = _check_field(key, raw[key])
@@ -477,12 +440,43 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
         if name in values["dtypes"] and values["op"] not in ops:
             probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no {name} kernel; "
                       f"{name} buckets serve {', '.join(ops)}", label, "dtypes")
+    direct = _parse_direct(raw, values, path, label, limits, probs) if "direct" in raw else None
     if choice:
         return _parse_alternatives(raw, values, path, label, limits, probs)
     _check_kernel(values, key_lines, line, label, limits, probs)
     if len(probs.lines) != before:
         return []
-    return [Bucket(source=path, line=line, layer=0, **values)]
+    return [Bucket(source=path, line=line, layer=0, direct=direct, **values)]
+
+
+def _parse_direct(raw, values, path, label, limits, probs: _Problems):
+    """The Bucket of a bmm bucket's `direct` kernel (its box, its own tile), or None."""
+    d, line, where = raw["direct"], raw.key_lines.get("direct", raw.line), f"{label} direct"
+    if values["op"] != "bmm" or "alternatives" in raw:
+        probs.add(line, "direct (the kernel of calls whose outputs the tile's threads store) "
+                  "belongs to an op bmm bucket without alternatives", label, "direct")
+        return None
+    if not isinstance(d, dict):
+        probs.add(line, f"direct must be a mapping with keys {', '.join(_DIRECT_KEYS)}, got "
+                  f"{d!r}", label, "direct")
+        return None
+    mark = len(probs.lines)
+    _unknown_keys(d, _DIRECT_KEYS, d.line, where, probs)
+    v = dict(values, cluster=(1, 1), persistent=False, pingpong=False, swap_ab=False,
+             raster_n=False, name=f"{values['name']}.direct", note="")
+    for key in ("tile", "stages"):
+        if key not in d:
+            probs.add(d.line, "missing (required)", where, key)
+    for key in _DIRECT_KEYS:
+        if key in d:
+            val, err = _check_field(key, d[key])
+            if err:
+                probs.add(d.key_lines.get(key, d.line), err, where, key)
+            else:
+                v[key] = val
+    if len(probs.lines) == mark:
+        _check_kernel(v, d.key_lines, d.line, where, limits, probs)
+    return Bucket(source=path, line=d.line, layer=0, **v) if len(probs.lines) == mark else None
 
 
 def _boxes_meet(a: Bucket, b: Bucket):

@@ -1,0 +1,118 @@
+"""A bmm bucket's `direct` kernel: the tile its calls run where the tile's threads store the
+outputs (rows TMA cannot address, or would store as half sectors). Checked on the CPU: the
+field's rules in a config file, the kernel key a call gets (the very key the bmm sweep timed
+and checked bits for as a forced candidate), the warmed twins and `explain`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench_path import bench_on_path
+from detgemm_cute import aot, batched, dispatch
+from detgemm_cute import registry as R
+
+QK_BUCKET = "bmm_m513_wide_n1024"  # q @ k^T, S >= 1024, head_dim 65..128
+
+
+@pytest.fixture(autouse=True)
+def _no_user_layers():
+    R.reset_user_configs()
+    yield
+    R.reset_user_configs()
+
+
+def _sm90(monkeypatch):
+    """`batched.kernel_layout` as on an H100, on CPU tensors."""
+    monkeypatch.setattr(batched, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(batched, "_gpu_arch", lambda arch, device: "sm_90a")
+
+
+def _qk(lb, s, d):
+    """q @ k^T operands as attention makes them: q [L, S, d], k^T a transposed view."""
+    return (torch.randn(lb, s, d, dtype=torch.bfloat16),
+            torch.randn(lb, s, d, dtype=torch.bfloat16).transpose(1, 2))
+
+
+def _bmm_bucket(extra: str, op: str = "bmm") -> str:
+    return ("arch: sm90\nbuckets:\n  - name: q\n    op: " + op + "\n    dtypes: [bf16]\n"
+            "    m: [1, null]\n    tile: [128, 128, 64]\n    cluster: [2, 1]\n    stages: 4\n"
+            "    persistent: true\n" + extra)
+
+
+def test_the_field_loads_as_a_kernel_of_the_buckets_box(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(_bmm_bucket("    direct: {tile: [64, 256, 64], stages: 4, "
+                                "persistent: true}\n"))
+    (b,) = R.add_config(path).buckets
+    d = b.direct
+    assert (d.tile, d.cluster, d.stages, d.persistent) == ((64, 256, 64), (1, 1), 4, True)
+    assert (d.name, d.op, d.m, d.n, d.k, d.dtypes) == ("q.direct", "bmm", b.m, b.n, b.k, b.dtypes)
+    assert d.direct is None and not d.note
+
+
+@pytest.mark.parametrize("op, extra, words", [
+    ("fwd", "    direct: {tile: [64, 256, 64], stages: 4}\n",
+     "bucket 'q': field 'direct': direct .* belongs to an op bmm bucket"),
+    ("bmm", "    direct: [64, 256, 64]\n",
+     "bucket 'q': field 'direct': direct must be a mapping with keys tile, cluster, stages, "
+     "persistent"),
+    ("bmm", "    direct: {tile: [64, 256, 64], stages: 4, pingpong: true}\n",
+     "bucket 'q' direct: field 'pingpong': unknown key"),
+    ("bmm", "    direct: {tile: [64, 256, 64]}\n",
+     "bucket 'q' direct: field 'stages': missing"),
+    ("bmm", "    direct: {tile: [64, 256], stages: 4}\n",
+     "bucket 'q' direct: field 'tile': tile"),
+    ("bmm", "    direct: {tile: [256, 256, 64], stages: 9}\n",
+     "bucket 'q' direct: field"),
+])
+def test_a_bad_direct_is_refused_naming_the_bucket_and_field(tmp_path, op, extra, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(_bmm_bucket(extra, op=op))
+    with pytest.raises(R.ConfigError, match=words):
+        R.add_config(path)
+    assert R.user_configs() == ()
+
+
+@pytest.mark.parametrize("s, d", [(1500, 128), (2500, 80), (2047, 96), (3000, 128)])
+def test_thread_stored_outputs_run_the_direct_kernel_the_sweep_timed(tmp_path, monkeypatch,
+                                                                     s, d):
+    """An unforced q @ k^T whose rows TMA cannot store runs the bucket's `direct` tile, and
+    builds the same kernel key and layout as the sweep's forced candidate of that tile (the
+    kernel `bench/sweep_bmm.py` timed and checked bits for on the GPU)."""
+    _sm90(monkeypatch)
+    q, kt = _qk(2, s, d)
+    table = dispatch.lookup("bmm", "bf16", "sm90", s, s, d)
+    assert table.name == QK_BUCKET and table.direct is not None
+    got = batched.kernel_layout(q, kt, None, torch.bfloat16, table)
+    key = got[0]
+    assert key.c_direct and key.tile == table.direct.tile and key.cluster == (1, 1)
+    with bench_on_path():
+        import sweep_bmm
+        from sweep_common import candidate_layer
+    names = candidate_layer(tmp_path / "c.yaml", "bmm", "bcand", sweep_bmm.CANDIDATES)
+    twin = [nm for nm in names if nm.endswith(".64x256x64_c1x1_s4_p")]
+    assert twin
+    assert batched.kernel_layout(q, kt, None, torch.bfloat16,
+                                 dispatch.bucket_by_name("sm90", twin[0])) == got
+
+
+@pytest.mark.parametrize("s", [1024, 2048, 4096])
+def test_tma_stored_outputs_keep_the_buckets_own_kernel(monkeypatch, s):
+    _sm90(monkeypatch)
+    q, kt = _qk(2, s, 128)
+    table = dispatch.lookup("bmm", "bf16", "sm90", s, s, 128)
+    key = batched.kernel_layout(q, kt, None, torch.bfloat16, table)[0]
+    assert not key.c_direct
+    assert (key.tile, key.cluster, key.stages) == (table.tile, table.cluster, table.stages)
+
+
+def test_warmup_twins_and_explain_show_the_direct_kernel():
+    bucket = dispatch.bucket_by_name("sm90", QK_BUCKET)
+    twins = [k for call, k in aot._bucket_keys(bucket, "sm_90a", "all") if k.c_direct]
+    assert twins and all(k.tile == bucket.direct.tile and k.cluster == (1, 1) for k in twins)
+    plain = [k for call, k in aot._bucket_keys(bucket, "sm_90a", "all") if not k.c_direct
+             and not k.a_loads]
+    assert plain and all(k.tile == bucket.tile for k in plain)
+    text = str(dispatch.explain("bmm", "bf16", "sm90", 1500, 1500, 128))
+    assert "direct:  outputs the tile's threads store" in text and "tile 64x256x64" in text
