@@ -11,7 +11,10 @@ bucket:
    matched);
 2. up to `--splits` cuts of the bucket's M range (between two measured M), each side with
    its own candidate, kept where a cut lowers the rows below the floor or raises the
-   geomean by `--min-gain`.
+   geomean by `--min-gain`;
+3. where the bucket has rows of both kinds, the rows whose outputs the tile's threads store
+   (the table's kernel ran them `c_direct`) get their own candidate, the bucket's `direct`
+   kernel, and the others decide steps 1-2 (the box cannot tell the two kinds apart).
 
 A bucket whose choice beats the current table's kernel (its `table` time, else the
 candidate with the table's kernel) by `--min-gain`, or lifts rows over the floor, goes into
@@ -152,19 +155,31 @@ def fit_bucket(rows, lo, hi, splits, min_gain):
     return [(plo, phi, nm, v) for plo, phi, _, nm, v in parts]
 
 
+def thread_stored(r) -> bool:
+    """The row's outputs are stored by the tile's threads (the table's kernel for it ran
+    `c_direct`): a bucket's `direct` kernel serves such rows."""
+    return bool((r.get("layout") or {}).get("c_direct"))
+
+
 def current_speeds(rows, bucket):
-    """The table's speeds on `rows`: its `table` timing, else the candidate with its kernel."""
+    """The table's speeds on `rows`: its `table` timing, else the candidate with its kernel
+    (per row: the bucket's `direct` kernel on thread-stored rows, where it has one)."""
     v = speeds(rows, "table")
     if v:
         return v, "table"
-    want = bucket_fields(bucket)
-    for nm in candidates_of(rows):
-        if kernel_fields(nm) == want:
-            return speeds(rows, nm), nm
-    return None, None
+    direct = getattr(bucket, "direct", None)
+    out, used = [], set()
+    for r in rows:
+        want = bucket_fields(direct if direct is not None and thread_stored(r) else bucket)
+        nm = next((nm for nm in candidates_of([r]) if kernel_fields(nm) == want), None)
+        if nm is None:
+            return None, None
+        out.append(r["us"]["torch_bmm"] / r["us"][nm])
+        used.add(nm)
+    return out, " + ".join(sorted(used))
 
 
-def _yaml_bucket(name, b, lo, hi, fields, note) -> list[str]:
+def _yaml_bucket(name, b, lo, hi, fields, note, direct=None) -> list[str]:
     rng = lambda r: f"[{r[0]}, {'null' if r[1] is None else r[1]}]"  # noqa: E731
     lines = [f"  - name: {name}", "    op: bmm", f"    dtypes: [{', '.join(b.dtypes)}]",
              f"    m: {rng((lo, hi))}", f"    n: {rng(b.n)}", f"    k: {rng(b.k)}",
@@ -173,6 +188,10 @@ def _yaml_bucket(name, b, lo, hi, fields, note) -> list[str]:
              f"    persistent: {str(fields['persistent']).lower()}"]
     if fields.get("pingpong"):
         lines.append("    pingpong: true")
+    if direct:
+        lines.append(f"    direct: {{tile: {direct['tile']}, cluster: {direct['cluster']}, "
+                     f"stages: {direct['stages']}, "
+                     f"persistent: {str(direct['persistent']).lower()}}}")
     return lines + [f"    note: {json.dumps(note)}"]
 
 
@@ -194,13 +213,22 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
     lines = [f"arch: {arch}", "buckets:"]
     before, after = [], []
     for name, (b, brows) in sorted(by_bucket.items()):
+        # thread-stored rows and TMA-stored ones favour different tiles and the box cannot
+        # tell them apart: where a bucket has both, the thread-stored rows get a `direct` pick
+        threads = [r for r in brows if thread_stored(r)]
+        direct = best_candidate(threads) if threads and len(threads) < len(brows) else None
+        brows = [r for r in brows if not thread_stored(r)] + threads if direct else brows
         cur, how = current_speeds(brows, b)
-        parts = fit_bucket(brows, b.m[0], b.m[1], splits, min_gain)
+        parts = fit_bucket(brows[:len(brows) - len(threads)] if direct else brows,
+                           b.m[0], b.m[1], splits, min_gain)
         if not parts:
             out(f"{name}: {len(brows)} rows, no candidate timed on all of them")
             continue
-        new = [x for *_, v in parts for x in v]
-        order = [r for lo, hi, *_ in parts for r in brows if lo <= r["M"] <= (hi or r["M"])]
+        new = [x for *_, v in parts for x in v] + (direct[1] if direct else [])
+        order = [r for lo, hi, *_ in parts for r in brows[:len(brows) - len(threads)]
+                 if lo <= r["M"] <= (hi or r["M"])] if direct else [
+            r for lo, hi, *_ in parts for r in brows if lo <= r["M"] <= (hi or r["M"])]
+        order += threads if direct else []
         cur_o = None if cur is None else [cur[brows.index(r)] for r in order]
         take = cur_o is not None and better(new, cur_o, min_gain)
         before += cur_o or []
@@ -211,7 +239,11 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
             f"fit {geomean(new):.3f}x, {sum(x < FLOOR for x in new)} below"
             f"{'' if take or cur_o is None else ' (kept: gain too small)'}")
         for lo, hi, nm, v in parts:
-            out(f"  M {lo}..{hi or 'inf'}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x on {len(v)}")
+            out(f"  M {lo}..{hi or 'inf'}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x on {len(v)}"
+                f"{' (outputs TMA stores)' if direct else ''}")
+        if direct:
+            out(f"  direct (outputs the threads store): {direct[0].split('.', 1)[-1]} "
+                f"{geomean(direct[1]):.3f}x on {len(direct[1])}")
         for r in order:
             v = (new if take or cur_o is None else cur_o)[order.index(r)]
             if v < FLOOR:
@@ -225,7 +257,12 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
                 nm_out = name if len(parts) == 1 else f"{name}_m{lo}_{hi or 'up'}"
                 note = (f"fit_bmm on {device}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x "
                         f"torch.bmm on {len(v)} attention rows (worst {min(v):.2f}x)")
-                lines += _yaml_bucket(nm_out, b, lo, hi, kernel_fields(nm), note)
+                dfields = kernel_fields(direct[0]) if direct else None
+                if dfields:
+                    note += (f"; direct {direct[0].split('.', 1)[-1]} {geomean(direct[1]):.3f}x "
+                             f"on {len(direct[1])} rows the threads store")
+                lines += _yaml_bucket(nm_out, b, lo, hi, kernel_fields(nm), note,
+                                      None if dfields == kernel_fields(nm) else dfields)
     if before:
         out(f"all rows with a table timing: {geomean(before):.3f}x torch.bmm, "
             f"{sum(x < FLOOR for x in before)} of {len(before)} below {FLOOR}; fitted "

@@ -89,6 +89,29 @@ def test_fit_cuts_the_bucket_where_the_best_tile_changes(fb, tmp_path):
     assert any("below" in p for p in printed)
 
 
+def test_thread_stored_rows_get_the_buckets_direct_kernel(fb, tmp_path):
+    """Where a bucket's rows are of both kinds, the rows the threads store get their own pick
+    (`direct`) and the TMA-stored rows decide the bucket's tile; the layer loads with it."""
+    rows = [row(m, {A: 130.0, B: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
+    rows += [{**row(m, {A: 80.0, B: 130.0, "table": 120.0}), "layout": {"c_direct": True}}
+             for m in (1500, 2500, 3000)]
+    printed = []
+    lines = fb.fit(fb.read_rows([write(tmp_path, rows)]), splits=2, device="TEST GPU",
+                   out=printed.append)
+    layer = tmp_path / "layer.yaml"
+    layer.write_text("\n".join(lines) + "\n")
+    (b,) = registry.add_config(layer, arch="sm90").buckets
+    assert b.name == "bmm_m513_wide_n1024" and b.pingpong and b.tile == (128, 128, 64)
+    assert b.direct.tile == (64, 64, 64) and b.direct.persistent
+    assert any(p.startswith("  direct (outputs the threads store): 64x64x64") for p in printed)
+    # without a table timing, the table's speeds come per row from the kernel it runs there
+    table = dispatch.bucket_by_name("sm90", "bmm_m513_wide_n1024")
+    old = fb.read_rows([write(tmp_path, rows, "old.json.gz", table_timing=None)])
+    got, how = fb.current_speeds(old, b)
+    assert got == [100.0 / 80.0] * 6 and how == " + ".join(sorted((A, B)))
+    assert table.direct is not None  # the built-in bucket has one too
+
+
 def test_fit_keeps_a_bucket_it_cannot_improve(fb, tmp_path):
     rows = [row(m, {A: 100.0, B: 101.0, "table": 99.5}) for m in (1024, 2048, 4096)]
     printed = []
