@@ -1,4 +1,5 @@
-"""Shared fixtures: every test starts and ends with no user config layers.
+"""Shared fixtures: every test starts and ends with no user config layers. `--shard I/N`
+runs one of N disjoint parts of the selected tests (tests/shard.py).
 
 The on-disk kernel cache is off for the suite (tests that exercise it pass their own
 directory), so no run depends on, or leaves behind, libraries in the user's cache."""
@@ -18,3 +19,23 @@ def _clean_user_layers(monkeypatch):
     R.reset_user_configs()
     yield
     R.reset_user_configs()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N disjoint parts of the selected tests (tests/shard.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    import shard
+
+    try:
+        i, n = shard.parse(spec)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    keep = [shard.in_shard(it.nodeid, i, n) for it in items]
+    config.hook.pytest_deselected(items=[it for it, k in zip(items, keep) if not k])
+    items[:] = [it for it, k in zip(items, keep) if k]
