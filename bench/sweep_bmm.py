@@ -79,10 +79,12 @@ CANDIDATES = [
 # The broad sweep (`--preset broad`): (label, query heads, head_dim) at the sequence lengths
 # below, both GEMMs, tokens (batch x sequence) about TOKENS; the slow classes of the last
 # bench (p @ v and q @ k^T at S = 1500 and 2500) first, so a time box cuts the least
-# informative rows. BROAD_BATCHES adds the same head_dim-128 problems at other batch sizes.
+# informative rows; then aligned lengths (rows TMA stores: what a bucket's own tile serves,
+# while the odd ones above mostly run its `direct` kernel). BROAD_BATCHES adds the same
+# head_dim-128 problems at other batch sizes.
 BROAD_HEADS = [("llama3-8b", 32, 128), ("gpt2", 12, 64), ("phi2", 32, 80), ("phi3-mini", 32, 96),
                ("llama3-70b/tp8", 8, 128)]
-BROAD_SEQS = (1500, 2500, 333, 1000, 2047, 3000, 777, 4000)
+BROAD_SEQS = (1500, 2500, 333, 1000, 2047, 3000, 777, 4000, 2048, 1024, 4096, 512)
 BROAD_BATCHES = ((1500, (1, 16)), (3000, (1, 8)), (333, (4, 64)))
 BROAD_ONLY = ("64x64x64_c1x1_s4_p", "64x128x64_c1x1_s4", "64x256x64_c1x1_s4_p",
               "128x64x64_c1x1_s6_p", "128x128x64_c1x1_s4_p", "128x128x64_c2x1_s4_p",
