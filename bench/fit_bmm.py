@@ -111,9 +111,10 @@ def candidates_of(rows) -> list[str]:
     return sorted(nm for nm in names if speeds(rows, nm))
 
 
-def best_candidate(rows):
-    """(name, speeds) of the best candidate on `rows`, or None."""
-    scored = [(score(v), nm, v) for nm in candidates_of(rows) for v in [speeds(rows, nm)]]
+def best_candidate(rows, ok=None):
+    """(name, speeds) of the best candidate on `rows` (of those `ok` accepts), or None."""
+    scored = [(score(v), nm, v) for nm in candidates_of(rows) if ok is None or ok(nm)
+              for v in [speeds(rows, nm)]]
     if not scored:
         return None
     _, nm, v = max(scored, key=lambda t: (t[0], t[1]))
@@ -126,10 +127,10 @@ def better(new, old, min_gain) -> bool:
     return nb > ob or (nb == ob and ng > og * (1 + min_gain))
 
 
-def fit_bucket(rows, lo, hi, splits, min_gain):
+def fit_bucket(rows, lo, hi, splits, min_gain, ok=None):
     """[(m_lo, m_hi, candidate, speeds)] covering [lo, hi] (hi None: unbounded), greedily cut
-    along M at most `splits` times."""
-    first = best_candidate(rows)
+    along M at most `splits` times (candidates `ok` accepts)."""
+    first = best_candidate(rows, ok)
     if first is None:
         return []
     parts = [(lo, hi, rows, *first)]
@@ -140,7 +141,7 @@ def fit_bucket(rows, lo, hi, splits, min_gain):
             for cut in ms[1:]:
                 left = [r for r in prow if r["M"] < cut]
                 right = [r for r in prow if r["M"] >= cut]
-                bl, br = best_candidate(left), best_candidate(right)
+                bl, br = best_candidate(left, ok), best_candidate(right, ok)
                 if bl is None or br is None:
                     continue
                 merged = bl[1] + br[1]
@@ -189,8 +190,7 @@ def _yaml_bucket(name, b, lo, hi, fields, note, direct=None) -> list[str]:
     if fields.get("pingpong"):
         lines.append("    pingpong: true")
     if direct:
-        lines.append(f"    direct: {{tile: {direct['tile']}, cluster: {direct['cluster']}, "
-                     f"stages: {direct['stages']}, "
+        lines.append(f"    direct: {{tile: {direct['tile']}, stages: {direct['stages']}, "
                      f"persistent: {str(direct['persistent']).lower()}}}")
     return lines + [f"    note: {json.dumps(note)}"]
 
@@ -200,6 +200,54 @@ def _row_text(r, v, best_v, best_nm) -> str:
     how = ", ".join(k for k in ("c_direct", "a_loads", "stage_a", "stage_b") if lay.get(k))
     return (f"    {r['kind']} L={r['L']} M={r['M']} K={r['K']} N={r['N']}: {v:.2f}x"
             f" (best tile {best_nm.split('.', 1)[-1]} {best_v:.2f}x){' [' + how + ']' if how else ''}")
+
+
+def _direct_ok(nm) -> bool:
+    """A candidate that can be a `direct` kernel: its threads store outputs (BM >= 64, no
+    ping-pong); a cluster it was timed with was not used on such rows (`batched.plan_key`)."""
+    f = kernel_fields(nm)
+    return f["tile"][0] >= 64 and not f.get("pingpong")
+
+
+def _short(nm) -> str:
+    return nm.split(".", 1)[-1]
+
+
+def fit_rows(b, rows, splits, min_gain):
+    """The fit of bucket `b` on its `rows`: (parts, direct, order) or None, where parts are
+    (m_lo, m_hi, kernel fields, label, speeds) along M, direct is (fields, label, speeds) or
+    None, and order lists the rows as the parts' speeds then direct's run.
+
+    Thread-stored rows (`thread_stored`) and TMA-stored ones favour different tiles and the
+    box cannot tell them apart. Where the bucket has thread-stored rows next to TMA-stored
+    ones or a `direct` kernel already, they get their own pick (`direct`; the bucket's tile
+    then has no ping-pong, whose threads store no outputs) and the rest fit the bucket's
+    tile; that is kept where it scores at least as well as one fit over all rows. A bucket
+    whose rows are all TMA-stored keeps its `direct`."""
+    threads = [r for r in rows if thread_stored(r)]
+    tma = [r for r in rows if not thread_stored(r)]
+    own = getattr(b, "direct", None)
+    plain = fit_bucket(rows, b.m[0], b.m[1], splits, min_gain,
+                       ok=_direct_ok if own is not None and not threads else None)
+    one = None if not plain else (
+        [(lo, hi, kernel_fields(nm), _short(nm), v) for lo, hi, nm, v in plain],
+        None if own is None or threads else (bucket_fields(own), "the bucket's own", []),
+        [r for lo, hi, *_ in plain for r in rows if lo <= r["M"] <= (hi or r["M"])])
+    if not threads or not (tma or own is not None):
+        return one
+    pick = best_candidate(threads, _direct_ok)
+    if tma:
+        main = fit_bucket(tma, b.m[0], b.m[1], splits, min_gain, ok=_direct_ok)
+        parts = [(lo, hi, kernel_fields(nm), _short(nm), v) for lo, hi, nm, v in main]
+    else:
+        parts = [(b.m[0], b.m[1], bucket_fields(b), "the bucket's own tile", [])]
+    if pick is None or not parts or b.pingpong and not tma:
+        return one
+    split = (parts, (kernel_fields(pick[0]), _short(pick[0]), pick[1]),
+             [r for lo, hi, *_ in parts for r in tma if lo <= r["M"] <= (hi or r["M"])]
+             + threads)
+    speeds_of = lambda f: [x for *_, v in f[0] for x in v] + (f[1][2] if f[1] else [])  # noqa: E731
+    return split if one is None or score(speeds_of(split)) >= score(speeds_of(one)) else one
 
 
 def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print):
@@ -213,39 +261,33 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
     lines = [f"arch: {arch}", "buckets:"]
     before, after = [], []
     for name, (b, brows) in sorted(by_bucket.items()):
-        # thread-stored rows and TMA-stored ones favour different tiles and the box cannot
-        # tell them apart: where a bucket has both, the thread-stored rows get a `direct` pick
-        threads = [r for r in brows if thread_stored(r)]
-        direct = best_candidate(threads) if threads and len(threads) < len(brows) else None
-        brows = [r for r in brows if not thread_stored(r)] + threads if direct else brows
-        cur, how = current_speeds(brows, b)
-        parts = fit_bucket(brows[:len(brows) - len(threads)] if direct else brows,
-                           b.m[0], b.m[1], splits, min_gain)
-        if not parts:
-            out(f"{name}: {len(brows)} rows, no candidate timed on all of them")
+        got = fit_rows(b, brows, splits, min_gain)
+        if got is None:
+            out(f"{name}: {len(brows)} rows, no candidate timed on all of them"
+                + (" that keeps the bucket's direct kernel (not ping-pong)"
+                   if getattr(b, "direct", None) is not None else ""))
             continue
-        new = [x for *_, v in parts for x in v] + (direct[1] if direct else [])
-        order = [r for lo, hi, *_ in parts for r in brows[:len(brows) - len(threads)]
-                 if lo <= r["M"] <= (hi or r["M"])] if direct else [
-            r for lo, hi, *_ in parts for r in brows if lo <= r["M"] <= (hi or r["M"])]
-        order += threads if direct else []
-        cur_o = None if cur is None else [cur[brows.index(r)] for r in order]
-        take = cur_o is not None and better(new, cur_o, min_gain)
-        before += cur_o or []
-        after += new if take else cur_o or []
-        cur_txt = "not timed (nothing written)" if cur_o is None else (
-            f"{geomean(cur_o):.3f}x ({how}), {sum(x < FLOOR for x in cur_o)} below {FLOOR}")
-        out(f"{name} ({len(brows)} rows, M {b.m[0]}..{b.m[1] or 'inf'}): table {cur_txt}; "
+        parts, direct, order = got
+        new = [x for *_, v in parts for x in v] + (direct[2] if direct else [])
+        cur, how = current_speeds(order, b)
+        take = cur is not None and better(new, cur, min_gain)
+        before += cur or []
+        after += new if take else cur or []
+        cur_txt = "not timed (nothing written)" if cur is None else (
+            f"{geomean(cur):.3f}x ({how}), {sum(x < FLOOR for x in cur)} below {FLOOR}")
+        out(f"{name} ({len(order)} rows, M {b.m[0]}..{b.m[1] or 'inf'}): table {cur_txt}; "
             f"fit {geomean(new):.3f}x, {sum(x < FLOOR for x in new)} below"
-            f"{'' if take or cur_o is None else ' (kept: gain too small)'}")
-        for lo, hi, nm, v in parts:
-            out(f"  M {lo}..{hi or 'inf'}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x on {len(v)}"
-                f"{' (outputs TMA stores)' if direct else ''}")
+            f"{'' if take or cur is None else ' (kept: gain too small)'}")
+        for lo, hi, fields, label, v in parts:
+            out(f"  M {lo}..{hi or 'inf'}: {label} " + (
+                f"{geomean(v):.3f}x on {len(v)}" if v else "(no rows TMA stores: kept)")
+                + (" (outputs TMA stores)" if direct else ""))
         if direct:
-            out(f"  direct (outputs the threads store): {direct[0].split('.', 1)[-1]} "
-                f"{geomean(direct[1]):.3f}x on {len(direct[1])}")
-        for r in order:
-            v = (new if take or cur_o is None else cur_o)[order.index(r)]
+            out(f"  direct (outputs the threads store): {direct[1]} " + (
+                f"{geomean(direct[2]):.3f}x on {len(direct[2])}" if direct[2] else
+                "(no rows the threads store: kept)"))
+        for i, r in enumerate(order):
+            v = (new if take or cur is None else cur)[i]
             if v < FLOOR:
                 best_nm, best_v = max(((nm, r["us"]["torch_bmm"] / r["us"][nm])
                                        for nm in r["us"] if nm not in PEERS and "+" not in nm
@@ -253,16 +295,16 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
                                       key=lambda t: t[1])
                 out(_row_text(r, v, best_v, best_nm))
         if take:
-            for i, (lo, hi, nm, v) in enumerate(parts):
+            for lo, hi, fields, label, v in parts:
                 nm_out = name if len(parts) == 1 else f"{name}_m{lo}_{hi or 'up'}"
-                note = (f"fit_bmm on {device}: {nm.split('.', 1)[-1]} {geomean(v):.3f}x "
-                        f"torch.bmm on {len(v)} attention rows (worst {min(v):.2f}x)")
-                dfields = kernel_fields(direct[0]) if direct else None
-                if dfields:
-                    note += (f"; direct {direct[0].split('.', 1)[-1]} {geomean(direct[1]):.3f}x "
-                             f"on {len(direct[1])} rows the threads store")
-                lines += _yaml_bucket(nm_out, b, lo, hi, kernel_fields(nm), note,
-                                      None if dfields == kernel_fields(nm) else dfields)
+                note = f"fit_bmm on {device}: {label} " + (
+                    f"{geomean(v):.3f}x torch.bmm on {len(v)} attention rows (worst "
+                    f"{min(v):.2f}x)" if v else "(no rows TMA stores)")
+                if direct and direct[2]:
+                    note += (f"; direct {direct[1]} {geomean(direct[2]):.3f}x on "
+                             f"{len(direct[2])} rows the threads store")
+                lines += _yaml_bucket(nm_out, b, lo, hi, fields, note,
+                                      direct[0] if direct else None)
     if before:
         out(f"all rows with a table timing: {geomean(before):.3f}x torch.bmm, "
             f"{sum(x < FLOOR for x in before)} of {len(before)} below {FLOOR}; fitted "

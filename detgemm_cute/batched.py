@@ -91,6 +91,13 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     favours other tiles than TMA stores do). Benchmarks use it to compile a sweep's kernels
     ahead, in parallel."""
     dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
+    arch = arch_of(a.device)
+    c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
+                                     half_sectors=True)
+    if c_direct and bucket.direct is not None:  # the bucket's kernel for such outputs
+        bucket = bucket.direct
+        c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
+                                         half_sectors=True)
     a_unit, b_unit = _inner_unit(a), _inner_unit(b)
     if a_unit == "first" and bucket.tile[0] < 64:
         a_unit = None  # row tiles load BM-row boxes of a K-major A
@@ -99,13 +106,6 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
         b_unit = b_unit if b_unit == "first" else None
     stage_a, stage_b = a_unit is None, b_unit is None
     b_form, b_contig = ("nk", "last") if stage_b else ("kn", b_unit)
-    arch = arch_of(a.device)
-    c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
-                                     half_sectors=True)
-    if c_direct and bucket.direct is not None:  # the bucket's kernel for such outputs
-        bucket = bucket.direct
-        c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
-                                         half_sectors=True)
     a_loads = (stage_a and dtype != TF32 and needs.a_rows(batched=True).meets(a)
                and reads_a_rows(arch, bucket, a.shape[2]))
     stage_a = stage_a and not a_loads

@@ -152,8 +152,8 @@ class Explanation:
             d = b.direct
             lines.append(f"  direct:  outputs the tile's threads store (rows TMA cannot address "
                          f"or would store as half sectors) run tile {'x'.join(map(str, d.tile))}"
-                         f", cluster {'x'.join(map(str, d.cluster))}, stages {d.stages}, "
-                         f"persistent {str(d.persistent).lower()}")
+                         f", stages {d.stages}, persistent {str(d.persistent).lower()}, no "
+                         f"cluster")
         if b.note:
             lines.append(f"  note:    {b.note}")
         for alt, us in self.predicted:

@@ -79,8 +79,9 @@ _DIMS = ("m", "n", "k")
 _KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab", "raster_n")
 _ALT_KEYS = _KERNEL_KEYS + ("cost",)
 # Keys of a bmm bucket's `direct`: the kernel its calls run where the tile's threads store
-# the outputs (rows TMA cannot address or would store as half sectors; `batched`).
-_DIRECT_KEYS = ("tile", "cluster", "stages", "persistent")
+# the outputs (rows TMA cannot address or would store as half sectors; `batched`). Such
+# calls run without a multicast cluster (`batched.plan_key`), so it has none.
+_DIRECT_KEYS = ("tile", "stages", "persistent")
 
 
 class ConfigError(ValueError):
@@ -150,8 +151,9 @@ class ConfigFile:
     layer: int = 0
 
     def with_layer(self, layer: int) -> "ConfigFile":
-        return replace(self, layer=layer,
-                       buckets=tuple(replace(b, layer=layer) for b in self.buckets))
+        return replace(self, layer=layer, buckets=tuple(
+            replace(b, layer=layer, direct=b.direct and replace(b.direct, layer=layer))
+            for b in self.buckets))
 
 
 def _in(v: int, r: tuple[int, int | None]) -> bool:
@@ -456,6 +458,14 @@ def _parse_direct(raw, values, path, label, limits, probs: _Problems):
         probs.add(line, "direct (the kernel of calls whose outputs the tile's threads store) "
                   "belongs to an op bmm bucket without alternatives", label, "direct")
         return None
+    why = ("this kernel family stores no output by the tile's threads"
+           if not getattr(limits, "DIRECT_STORE", False) else
+           "a ping-pong tile's threads store no outputs (their accumulators leave no registers "
+           "for the addresses), so direct would never run" if values["pingpong"] is True
+           else None)
+    if why:
+        probs.add(line, why, label, "direct")
+        return None
     if not isinstance(d, dict):
         probs.add(line, f"direct must be a mapping with keys {', '.join(_DIRECT_KEYS)}, got "
                   f"{d!r}", label, "direct")
@@ -474,6 +484,11 @@ def _parse_direct(raw, values, path, label, limits, probs: _Problems):
                 probs.add(d.key_lines.get(key, d.line), err, where, key)
             else:
                 v[key] = val
+    for key, key_line in d.repeated:
+        probs.add(key_line, "given more than once", where, key)
+    if len(probs.lines) == mark and v["tile"][0] < 64:
+        probs.add(d.key_lines.get("tile", d.line), f"direct tiles have BM >= 64 (a row tile's "
+                  f"threads store no outputs), got {list(v['tile'])}", where, "tile")
     if len(probs.lines) == mark:
         _check_kernel(v, d.key_lines, d.line, where, limits, probs)
     return Bucket(source=path, line=d.line, layer=0, **v) if len(probs.lines) == mark else None

@@ -18,7 +18,9 @@ def _dims(r) -> str:
 
 def _row(b: reg.Bucket) -> tuple[str, ...]:
     return (b.name, b.op, ",".join(b.dtypes), _dims(b.m), _dims(b.n), _dims(b.k),
-            "x".join(map(str, b.tile)), "x".join(map(str, b.cluster)), str(b.stages),
+            "x".join(map(str, b.tile)) + (f" (direct {'x'.join(map(str, b.direct.tile))})"
+                                          if b.direct is not None else ""),
+            "x".join(map(str, b.cluster)), str(b.stages),
             (("ping-pong" if b.pingpong else "yes") if b.persistent else "no")
             + (", swap" if b.swap_ab else ""), b.where, b.layer_label)
 

@@ -47,6 +47,8 @@ def test_the_field_loads_as_a_kernel_of_the_buckets_box(tmp_path):
     (b,) = R.add_config(path).buckets
     d = b.direct
     assert (d.tile, d.cluster, d.stages, d.persistent) == ((64, 256, 64), (1, 1), 4, True)
+    assert "cluster" not in str(dispatch.explain("bmm", "bf16", "sm90", 100, 100, 100)).split(
+        "direct:")[-1].split("\n")[0].replace("no cluster", "")
     assert (d.name, d.op, d.m, d.n, d.k, d.dtypes) == ("q.direct", "bmm", b.m, b.n, b.k, b.dtypes)
     assert d.direct is None and not d.note
 
@@ -55,8 +57,15 @@ def test_the_field_loads_as_a_kernel_of_the_buckets_box(tmp_path):
     ("fwd", "    direct: {tile: [64, 256, 64], stages: 4}\n",
      "bucket 'q': field 'direct': direct .* belongs to an op bmm bucket"),
     ("bmm", "    direct: [64, 256, 64]\n",
-     "bucket 'q': field 'direct': direct must be a mapping with keys tile, cluster, stages, "
-     "persistent"),
+     "bucket 'q': field 'direct': direct must be a mapping with keys tile, stages, persistent"),
+    ("bmm", "    direct: {tile: [64, 256, 64], stages: 4, cluster: [2, 1]}\n",
+     "bucket 'q' direct: field 'cluster': unknown key"),
+    ("bmm", "    direct: {tile: [32, 256, 64], stages: 4}\n",
+     r"bucket 'q' direct: field 'tile': direct tiles have BM >= 64 .*got \[32, 256, 64\]"),
+    ("bmm", "    direct: {tile: [64, 256, 64], stages: 4, stages: 3}\n",
+     "bucket 'q' direct: field 'stages': given more than once"),
+    ("bmm", "    pingpong: true\n    direct: {tile: [64, 256, 64], stages: 4}\n",
+     "bucket 'q': field 'direct': a ping-pong tile's threads store no outputs"),
     ("bmm", "    direct: {tile: [64, 256, 64], stages: 4, pingpong: true}\n",
      "bucket 'q' direct: field 'pingpong': unknown key"),
     ("bmm", "    direct: {tile: [64, 256, 64]}\n",
@@ -72,6 +81,24 @@ def test_a_bad_direct_is_refused_naming_the_bucket_and_field(tmp_path, op, extra
     with pytest.raises(R.ConfigError, match=words):
         R.add_config(path)
     assert R.user_configs() == ()
+
+
+def test_a_family_without_direct_stores_refuses_it(tmp_path):
+    path = tmp_path / "sm80.yaml"
+    path.write_text(_bmm_bucket("    direct: {tile: [64, 128, 32], stages: 4}\n").replace(
+        "arch: sm90", "arch: sm80").replace("[128, 128, 64]", "[64, 128, 32]").replace(
+        "    cluster: [2, 1]\n", "").replace("    persistent: true\n", ""))
+    with pytest.raises(R.ConfigError, match="field 'direct': this kernel family stores no "
+                                            "output by the tile's threads"):
+        R.add_config(path)
+
+
+def test_a_user_layers_direct_carries_the_layer(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(_bmm_bucket("    direct: {tile: [64, 256, 64], stages: 4}\n"))
+    R.add_config(path)
+    b = dispatch.bucket_by_name("sm90", "q")
+    assert b.layer == b.direct.layer == 1
 
 
 @pytest.mark.parametrize("s, d", [(1500, 128), (2500, 80), (2047, 96), (3000, 128)])
@@ -116,3 +143,8 @@ def test_warmup_twins_and_explain_show_the_direct_kernel():
     assert plain and all(k.tile == bucket.tile for k in plain)
     text = str(dispatch.explain("bmm", "bf16", "sm90", 1500, 1500, 128))
     assert "direct:  outputs the tile's threads store" in text and "tile 64x256x64" in text
+    assert "no cluster" in text
+    from detgemm_cute import tables
+
+    listing = tables.format_table([bucket]).splitlines()[1]
+    assert "128x128x64 (direct 64x256x64)" in listing

@@ -67,9 +67,11 @@ def test_kernel_fields(fb):
 
 
 def test_fit_cuts_the_bucket_where_the_best_tile_changes(fb, tmp_path):
-    # bmm_m513_wide_n1024 serves M >= 513, N >= 1024, K 65..128: A wins below M 2500, B above
-    rows = [row(m, {A: 80.0, B: 130.0, "table": 120.0}) for m in (1024, 1500, 2048)]
-    rows += [row(m, {A: 140.0, B: 85.0, "table": 120.0}) for m in (3000, 4096)]
+    # bmm_m513_wide_n1024 serves M >= 513, N >= 1024, K 65..128: A wins below M 2500, D above
+    # (B, ping-pong, faster still there, cannot keep the bucket's `direct` kernel)
+    d = "bcand.128x128x64_c1x1_s4_p"
+    rows = [row(m, {A: 80.0, B: 130.0, d: 131.0, "table": 120.0}) for m in (1024, 1500, 2048)]
+    rows += [row(m, {A: 140.0, B: 80.0, d: 85.0, "table": 120.0}) for m in (3000, 4096)]
     assert {dispatch.lookup("bmm", "bf16", "sm90", r["M"], r["N"], r["K"]).name
             for r in rows} == {"bmm_m513_wide_n1024"}
     printed = []
@@ -82,34 +84,63 @@ def test_fit_cuts_the_bucket_where_the_best_tile_changes(fb, tmp_path):
                     (9000, [128, 128, 64])):
         b = dispatch.lookup("bmm", "bf16", "sm90", m, m, 128)
         assert list(b.tile) == tile and b.layer == 1, (m, b)
-    assert dispatch.lookup("bmm", "bf16", "sm90", 3000, 3000, 128).pingpong  # the cut: at the
-    assert not dispatch.lookup("bmm", "bf16", "sm90", 2999, 2999, 128).pingpong  # first M above
+    assert not dispatch.lookup("bmm", "bf16", "sm90", 3000, 3000, 128).pingpong
+    assert dispatch.lookup("bmm", "bf16", "sm90", 3000, 3000, 128).direct is not None  # kept
     # outside the fitted bucket the built-in table still decides
     assert dispatch.lookup("bmm", "bf16", "sm90", 64, 64, 64).layer == 0
     assert any("below" in p for p in printed)
 
 
-def test_thread_stored_rows_get_the_buckets_direct_kernel(fb, tmp_path):
-    """Where a bucket's rows are of both kinds, the rows the threads store get their own pick
-    (`direct`) and the TMA-stored rows decide the bucket's tile; the layer loads with it."""
-    rows = [row(m, {A: 130.0, B: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
-    rows += [{**row(m, {A: 80.0, B: 130.0, "table": 120.0}), "layout": {"c_direct": True}}
-             for m in (1500, 2500, 3000)]
+C = "bcand.128x128x64_c2x1_s4_p"
+QK = "bmm_m513_wide_n1024"  # q @ k^T, S >= 1024, head_dim <= 128: has a built-in `direct`
+
+
+def _threads(r):
+    return {**r, "layout": {"c_direct": True}}
+
+
+def _fit_layer(fb, tmp_path, rows, **kw):
     printed = []
-    lines = fb.fit(fb.read_rows([write(tmp_path, rows)]), splits=2, device="TEST GPU",
-                   out=printed.append)
+    lines = fb.fit(fb.read_rows([write(tmp_path, rows)]), device="TEST GPU",
+                   out=printed.append, **kw)
     layer = tmp_path / "layer.yaml"
     layer.write_text("\n".join(lines) + "\n")
-    (b,) = registry.add_config(layer, arch="sm90").buckets
-    assert b.name == "bmm_m513_wide_n1024" and b.pingpong and b.tile == (128, 128, 64)
+    return registry.add_config(layer, arch="sm90").buckets, printed
+
+
+def test_thread_stored_rows_get_the_buckets_direct_kernel(fb, tmp_path):
+    """Where a bucket's rows are of both kinds, the rows the threads store get their own pick
+    (`direct`, never a ping-pong tile: its threads store nothing), the TMA-stored rows decide
+    the bucket's tile (then not ping-pong either), and the layer loads."""
+    rows = [row(m, {A: 130.0, B: 90.0, C: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
+    rows += [_threads(row(m, {A: 80.0, B: 78.0, C: 130.0, "table": 120.0}))
+             for m in (1500, 2500, 3000)]  # B is fastest here, but a ping-pong tile
+    (b,), printed = _fit_layer(fb, tmp_path, rows, splits=2)
+    assert b.name == QK and not b.pingpong and (b.tile, b.cluster) == ((128, 128, 64), (2, 1))
     assert b.direct.tile == (64, 64, 64) and b.direct.persistent
     assert any(p.startswith("  direct (outputs the threads store): 64x64x64") for p in printed)
     # without a table timing, the table's speeds come per row from the kernel it runs there
-    table = dispatch.bucket_by_name("sm90", "bmm_m513_wide_n1024")
     old = fb.read_rows([write(tmp_path, rows, "old.json.gz", table_timing=None)])
     got, how = fb.current_speeds(old, b)
-    assert got == [100.0 / 80.0] * 6 and how == " + ".join(sorted((A, B)))
-    assert table.direct is not None  # the built-in bucket has one too
+    assert got == [100.0 / 80.0] * 6 and how == " + ".join(sorted((A, C)))
+
+
+def test_a_bucket_keeps_its_direct_where_no_row_is_thread_stored(fb, tmp_path):
+    rows = [row(m, {A: 130.0, B: 60.0, C: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
+    (b,), printed = _fit_layer(fb, tmp_path, rows)
+    own = dispatch.bucket_by_name("sm90", QK).direct
+    assert b.tile == (128, 128, 64) and not b.pingpong  # B (ping-pong) would lose the direct
+    assert (b.direct.tile, b.direct.stages, b.direct.persistent) == (
+        own.tile, own.stages, own.persistent)
+
+
+def test_thread_stored_rows_alone_refit_only_the_direct_kernel(fb, tmp_path):
+    rows = [_threads(row(m, {A: 80.0, C: 130.0, "table": 120.0})) for m in (1500, 2500, 3000)]
+    (b,), printed = _fit_layer(fb, tmp_path, rows)
+    own = dispatch.bucket_by_name("sm90", QK)
+    assert (b.tile, b.cluster, b.stages) == (own.tile, own.cluster, own.stages)
+    assert b.direct.tile == (64, 64, 64)
+    assert any("no rows TMA stores: kept" in p for p in printed)
 
 
 def test_fit_keeps_a_bucket_it_cannot_improve(fb, tmp_path):
@@ -158,7 +189,8 @@ def test_rows_with_bad_bits_or_no_peer_are_dropped(fb, tmp_path):
 
 
 def test_a_table_without_timing_is_not_replaced(fb, tmp_path):
-    rows = [row(m, {B: 90.0}) for m in (1024, 2048)]  # the table's tile is not among them
+    # p @ v rows of bmm_m1025_n65_128; the table's tile is not among the candidates timed
+    rows = [row(m, {B: 90.0}, kind="pv", k=m, n=128) for m in (1500, 2500)]
     printed = []
     assert fb.fit(fb.read_rows([write(tmp_path, rows)]), out=printed.append)[2:] == []
     assert any("not timed" in p for p in printed)

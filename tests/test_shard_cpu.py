@@ -27,7 +27,7 @@ def test_bad_spec(spec):
         shard.parse(spec)
 
 
-def _collected(*args) -> list[str]:
+def _collected(*args) -> tuple[int, list[str], str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                           "-p", "no:cacheprovider", str(HERE / "test_shard_cpu.py"), *args],
                          capture_output=True, text=True, cwd=HERE.parent)

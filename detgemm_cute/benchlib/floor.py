@@ -85,7 +85,7 @@ def _open_text(path: str):
     """A stored record, gzip-compressed (``.gz``) or not."""
     import gzip
 
-    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)
 
 
 _TILE = re.compile(r"\b(\d+)x(\d+)x(\d+)\b")

@@ -49,6 +49,9 @@ EPI_BYTES_PER_ROWCOL = 8  # 4 stages of 16-bit output or 2 stages of fp32: same 
 
 
 GROUPED = True  # the grouped (mixture-of-experts) kernel exists in this family
+# Outputs whose rows TMA cannot store are stored by the tile's threads (tiles of BM >= 64,
+# no ping-pong: `gemm.stores_direct`), so a bmm bucket may name a `direct` kernel for them.
+DIRECT_STORE = True
 # Grouped kernels keep each group's first tile index in shared memory (groups + 2 int32, the
 # rows past the last group counted as one more group), next to the stage barriers (at most
 # 16 stages x 16 bytes) in the 1 KiB before the 1024-byte-aligned A stages.
