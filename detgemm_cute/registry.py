@@ -364,6 +364,22 @@ def _unknown_keys(raw, allowed, line, label, probs: _Problems):
             probs.add(raw.key_lines.get(key, line), f"unknown key{hint}", label, str(key))
 
 
+def _entry_fields(entry, keys, required, v: dict, where, probs: _Problems) -> dict:
+    """`v` with the kernel fields a nested mapping (an alternative, a `direct`) gives, each
+    checked; a missing required key or a bad value is a problem."""
+    for key in required:
+        if key not in entry:
+            probs.add(entry.line, "missing (required)", where, key)
+    for key in keys:
+        if key in entry:
+            val, err = _cost(entry[key]) if key == "cost" else _check_field(key, entry[key])
+            if err:
+                probs.add(entry.key_lines.get(key, entry.line), err, where, key)
+            else:
+                v[key] = val
+    return v
+
+
 def _parse_alternatives(raw, values, path, label, limits, probs: _Problems) -> list:
     """The Buckets of a bucket with `alternatives` (one per entry), or [] after problems."""
     line, before = raw.line, len(probs.lines)
@@ -386,17 +402,8 @@ def _parse_alternatives(raw, values, path, label, limits, probs: _Problems) -> l
         where = f"{label} alternative #{i + 1}"
         mark = len(probs.lines)
         _unknown_keys(alt, _ALT_KEYS, alt.line, where, probs)
-        v = dict(values)
-        for key in ("tile", "stages", "cost"):
-            if key not in alt:
-                probs.add(alt.line, "missing (required)", where, key)
-        for key in _ALT_KEYS:
-            if key in alt:
-                val, err = _cost(alt[key]) if key == "cost" else _check_field(key, alt[key])
-                if err:
-                    probs.add(alt.key_lines.get(key, alt.line), err, where, key)
-                else:
-                    v[key] = val
+        v = _entry_fields(alt, _ALT_KEYS, ("tile", "stages", "cost"), dict(values), where,
+                          probs)
         if len(probs.lines) != mark:
             continue
         _check_kernel(v, alt.key_lines, alt.line, where, limits, probs)
@@ -472,18 +479,9 @@ def _parse_direct(raw, values, path, label, limits, probs: _Problems):
         return None
     mark = len(probs.lines)
     _unknown_keys(d, _DIRECT_KEYS, d.line, where, probs)
-    v = dict(values, cluster=(1, 1), persistent=False, pingpong=False, swap_ab=False,
-             raster_n=False, name=f"{values['name']}.direct", note="")
-    for key in ("tile", "stages"):
-        if key not in d:
-            probs.add(d.line, "missing (required)", where, key)
-    for key in _DIRECT_KEYS:
-        if key in d:
-            val, err = _check_field(key, d[key])
-            if err:
-                probs.add(d.key_lines.get(key, d.line), err, where, key)
-            else:
-                v[key] = val
+    v = _entry_fields(d, _DIRECT_KEYS, ("tile", "stages"), dict(
+        values, cluster=(1, 1), persistent=False, pingpong=False, swap_ab=False,
+        raster_n=False, name=f"{values['name']}.direct", note=""), where, probs)
     for key, key_line in d.repeated:
         probs.add(key_line, "given more than once", where, key)
     if len(probs.lines) == mark and v["tile"][0] < 64:
