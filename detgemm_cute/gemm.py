@@ -7,9 +7,12 @@ computed once and memoised in `_plans`.
 Layouts taken without copies: A [M, K] row-major or a transposed view (M-major); B as
 [N, K] (linear's weight) or [K, N] (mm), either contiguous dim. What TMA cannot address
 (a unit stride missing, a non-unit stride that is not a multiple of 16 bytes, a base pointer
-not 16-byte aligned) is copied once into a K-major buffer whose K is zero-padded to a
+not 16-byte aligned) is copied once: a 16-bit operand whose contiguous dim is M or N (dW's
+dY^T at an odd vocabulary size) keeps that layout, its contiguous dim padded to a multiple
+of 8 (`stage_padded`); anything else goes into a K-major buffer whose K is zero-padded to a
 multiple of 8. Zeros at the end of K add exact zero products, exactly what TMA's
-out-of-bounds fill already feeds the kernel past K, so the bits do not change. An output
+out-of-bounds fill already feeds the kernel past K, and padding past M or N is never read
+(TMA's extent is the real one), so the bits do not change. An output
 whose row stride cannot be 16-byte aligned (N not a multiple of 8 for 16-bit outputs) is
 written into a padded buffer and copied out.
 """
@@ -196,6 +199,38 @@ def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     return out
 
 
+def stage_padded(t: torch.Tensor) -> torch.Tensor:
+    """Copy a 2-D 16-bit `t` into a fresh buffer with the same dim contiguous, that dim
+    padded to a multiple of 8 elements (one pass of the row-copy kernel over its rows): the
+    same [R, C] view, which TMA reads in place. For operands whose contiguous dim is M or N
+    (`padded_staging`), which `stage_k_major` would transpose at about a third of the copy
+    bandwidth."""
+    first = t.stride(0) == 1 and t.stride(1) != 1
+    src = t.t() if first else t
+    cols = src.shape[1]
+    width = -(-cols // 8) * 8
+    out = staging.rows(src, width)
+    if out is None:
+        out = torch.zeros((src.shape[0], width), dtype=t.dtype, device=t.device)
+        out[:, :cols].copy_(src)
+    out = out[:, :cols]
+    return out.t() if first else out
+
+
+def padded_staging(t: torch.Tensor, k_dim: int, first_ok: bool = True) -> str | None:
+    """The unit dim ("first" or "last") a 2-D operand that TMA cannot read in place keeps
+    when `stage_padded` copies it, or None when it is copied K-major instead: only 16-bit
+    operands whose unit-stride dim is not K (dim `k_dim`), where the kernels can read that
+    layout (`first_ok`: an M-major A needs row tiles of at least 64)."""
+    if t.dim() != 2 or t.element_size() != 2 or min(t.shape) < 2:
+        return None
+    non_k = 1 - k_dim
+    if (t.stride(non_k) != 1 or t.stride(k_dim) < t.shape[non_k]  # overlapping views: K-major
+            or (non_k == 0 and not first_ok)):
+        return None
+    return "first" if non_k == 0 else "last"
+
+
 class _Plan:
     """What a call with this key needs: the kernel, which operands to stage, the padded
     output width (0 when none), whether the bias needs a unit-stride copy, whether an
@@ -240,7 +275,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     if swap:  # the kernel's A is op(B)^T ([N, K]), its B the caller's A ([M, K], "nk")
         a, b, b_form = swapped_operands(a, b, b_form)
     if split_in:
-        stage_a = stage_b = False
+        stage_a = stage_b = None
         a_major, b_form_eff, b_contig = "k", "nk", "last"
     else:
         a_unit, b_contig = _unit_dim(a), _unit_dim(b)
@@ -250,12 +285,17 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             a_unit = a_unit if a_unit == "last" else None
             k_major_b = (b_form, b_contig) in (("nk", "last"), ("kn", "first"))
             b_contig = b_contig if k_major_b else None
-        stage_a, stage_b = a_unit is None, b_contig is None
-        a_major = "m" if a_unit == "first" else "k"  # a staged A is K-major
-        if stage_b:  # staged B is [N, K] K-major
+        stage_a = stage_b = None
+        if a_unit is None:  # padded in its own layout, else copied K-major
+            a_unit = None if tf32 else padded_staging(a, 1, bucket.tile[0] >= 64)
+            stage_a = "pad" if a_unit else "k"
+        a_major = "m" if a_unit == "first" else "k"
+        b_form_eff = b_form
+        if b_contig is None:
+            b_contig = None if tf32 else padded_staging(b, 1 if b_form == "nk" else 0)
+            stage_b = "pad" if b_contig else "k"
+        if stage_b == "k":  # staged B is [N, K] K-major
             b_form_eff, b_contig = "nk", "last"
-        else:
-            b_form_eff = b_form
     # Rows TMA would store as half sectors keep the TMA store here: linear layers of such
     # widths ran at 0.96-1.00x with the threads' stores (bench/results/half-sector-ab_*).
     c_direct, pad_cols = output_rows(arch, bucket, n, out_dtype,
@@ -340,9 +380,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_form: str, bias: torch.Tensor | Non
     if plan.swap:
         a, b, b_form = swapped_operands(a, b, b_form)
     if plan.stage_a:
-        a = stage_k_major(a, True)
+        a = stage_padded(a) if plan.stage_a == "pad" else stage_k_major(a, True)
     if plan.stage_b:
-        b = stage_k_major(b, b_form == "nk")
+        b = stage_padded(b) if plan.stage_b == "pad" else stage_k_major(b, b_form == "nk")
     if plan.bias_copy:
         bias = needs.conform(bias, needs.BIAS)
     if acc is not None and not plan.acc_copy:

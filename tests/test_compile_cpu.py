@@ -235,3 +235,30 @@ def test_warmup_all_includes_the_direct_store_twins():
     assert any(k.cluster != (1, 1) for _, k in keys if k.batched and not k.c_direct)
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_90a", variants="core"))
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_80", variants="all"))
+
+
+def test_operands_contiguous_in_m_or_n_are_staged_in_their_own_layout():
+    """16-bit operands TMA cannot read whose contiguous dim is M or N keep that dim
+    contiguous, padded to a multiple of 8 (one pass of the row-copy kernel), rather than
+    being transposed K-major; the copy is the same matrix and TMA reads it in place."""
+    import torch
+
+    from detgemm_cute.gemm import padded_staging, stage_padded
+    from detgemm_cute.kernels.tensor_needs import tma_unit_dim
+
+    bf = torch.bfloat16
+    dy_t = torch.randn(100, 333).to(bf).t()  # dW's A: [N=333, tokens], N contiguous
+    b_kn = torch.randn(64, 333).to(bf)  # mm's B [K, N=333]
+    w_nk = torch.randn(64, 333).to(bf).t()  # linear's weight [N=333, K], N contiguous
+    for t, k_dim, unit in ((dy_t, 1, "first"), (b_kn, 0, "last"), (w_nk, 1, "first")):
+        assert tma_unit_dim(t) is None
+        assert padded_staging(t, k_dim) == unit
+        s = stage_padded(t)
+        assert tma_unit_dim(s) == unit and torch.equal(s, t)
+        assert max(s.stride()) == 336
+    assert padded_staging(dy_t, 1, first_ok=False) is None  # row tiles below 64: K-major
+    assert padded_staging(torch.randn(333, 100).to(bf)[:, :99], 1) is None  # odd K: K-major
+    assert padded_staging(dy_t.float(), 1) is None  # fp32 (split parts, TF32): K-major
+    assert padded_staging(torch.randn(1, 333).to(bf).t(), 1) is None  # one column
+    overlapping = torch.randn(400).to(bf).as_strided((333, 4), (1, 2))
+    assert padded_staging(overlapping, 1) is None

@@ -170,6 +170,27 @@ def test_non_contiguous_and_misaligned_inputs_are_staged():
     assert same_bits(dg.linear(xs, w[:, :1024]), dg.linear(xs.contiguous(), w[:, :1024]))
 
 
+@pytest.mark.parametrize("n", [333, 1001, 30522])
+def test_operands_contiguous_in_m_or_n_are_padded_in_place(n):
+    """dY^T of an odd vocabulary (dW's A, M-major), a [K, N] B and an N-contiguous [N, K]
+    B with an odd N: TMA cannot read them; they are copied with their contiguous dim padded
+    (`gemm.stage_padded`), which must give the bits of the same GEMM on aligned copies."""
+    t, k = 520, 256
+    dy, x = rand(t, n), rand(t, k)
+    poison()
+    dw = dg.weight_grad(dy, x)
+    dy_k = dy.t().contiguous()  # [n, t] K-major: read in place when t is aligned
+    assert same_bits(dw, dg.mm(dy_k, x, out_dtype=torch.float32))
+    ref = dy.double().t() @ x.double()
+    assert rel_err(dw, ref) < 1e-5
+    a, b_kn = rand(300, k), rand(k, n)  # mm(a, [K, N]) with N contiguous, N odd
+    assert same_bits(dg.mm(a, b_kn), dg.mm(a, b_kn.t().contiguous().t()))
+    w_nk = rand(k, n).t()  # linear's weight [N, K], N contiguous
+    assert same_bits(dg.linear(a, w_nk), dg.linear(a, w_nk.contiguous()))
+    xs = rand(k, 7).t()  # M-major, misaligned: decode buckets' row tiles take it K-major
+    assert same_bits(dg.linear(xs, w_nk), dg.linear(xs.contiguous(), w_nk.contiguous()))
+
+
 @pytest.mark.parametrize("k", [1, 7, 100, 1001])
 @pytest.mark.parametrize("n", [1, 9, 250, 1023])
 def test_unaligned_k_and_n(k, n):
