@@ -178,43 +178,42 @@ def output_rows(arch: str, bucket, n: int, out_dtype: torch.dtype, plain: bool,
     return direct, 0 if direct else pad_cols
 
 
+def _pad_rows(src: torch.Tensor) -> torch.Tensor:
+    """`src` (last dim contiguous) copied into fresh rows zero-padded to a multiple of 8:
+    the row-copy kernel where it applies, else PyTorch's copy."""
+    cols = src.shape[-1]
+    width = -(-cols // 8) * 8
+    out = staging.rows(src, width)
+    if out is not None:
+        return out
+    out = torch.empty((*src.shape[:-1], width), dtype=src.dtype, device=src.device)
+    out[..., :cols].copy_(src)
+    out[..., cols:].zero_()
+    return out
+
+
 def stage_k_major(t: torch.Tensor, k_last: bool) -> torch.Tensor:
     """Copy `t` ([..., rows, K] when `k_last`, else [..., K, rows]) into a fresh
     [..., rows, Kp] buffer, K contiguous and zero-padded to a multiple of 8. Rows already
     K-contiguous (an odd K) take the row-copy kernel; a transposed fp32 matrix (the TF32
     kernels' staged weight) takes the tiled transpose kernel."""
     src = t if k_last else t.transpose(-1, -2)
-    k = src.shape[-1]
-    kp = -(-k // 8) * 8
     if src.dim() == 2 and src.stride(0) == 1:  # [rows, K] is a transposed view of [K, rows]
-        out = staging.transposed(src.t(), kp)
+        out = staging.transposed(src.t(), -(-src.shape[-1] // 8) * 8)
         if out is not None:
             return out
-    out = staging.rows(src, kp)
-    if out is not None:
-        return out
-    out = torch.empty((*src.shape[:-1], kp), dtype=t.dtype, device=t.device)
-    out[..., :k].copy_(src)
-    out[..., k:].zero_()
-    return out
+    return _pad_rows(src)
 
 
 def stage_padded(t: torch.Tensor) -> torch.Tensor:
     """Copy a 2-D 16-bit `t` into a fresh buffer with the same dim contiguous, that dim
-    padded to a multiple of 8 elements (one pass of the row-copy kernel over its rows): the
-    same [R, C] view, which TMA reads in place. For operands whose contiguous dim is M or N
+    padded to a multiple of 8 elements (`_pad_rows` over its rows): the same [R, C] view,
+    which TMA reads in place. For operands whose contiguous dim is M or N
     (`padded_staging`), which `stage_k_major` would transpose at about a third of the copy
     bandwidth."""
-    first = t.stride(0) == 1 and t.stride(1) != 1
-    src = t.t() if first else t
-    cols = src.shape[1]
-    width = -(-cols // 8) * 8
-    out = staging.rows(src, width)
-    if out is None:
-        out = torch.zeros((src.shape[0], width), dtype=t.dtype, device=t.device)
-        out[:, :cols].copy_(src)
-    out = out[:, :cols]
-    return out.t() if first else out
+    if t.stride(0) == 1 and t.stride(1) != 1:  # contiguous along the first dim
+        return _pad_rows(t.t())[:, :t.shape[0]].t()
+    return _pad_rows(t)[:, :t.shape[1]]
 
 
 def padded_staging(t: torch.Tensor, k_dim: int, first_ok: bool = True) -> str | None:
@@ -287,12 +286,12 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             b_contig = b_contig if k_major_b else None
         stage_a = stage_b = None
         if a_unit is None:  # padded in its own layout, else copied K-major
-            a_unit = None if tf32 else padded_staging(a, 1, bucket.tile[0] >= 64)
+            a_unit = padded_staging(a, 1, bucket.tile[0] >= 64)  # None for fp32 (TF32)
             stage_a = "pad" if a_unit else "k"
         a_major = "m" if a_unit == "first" else "k"
         b_form_eff = b_form
         if b_contig is None:
-            b_contig = None if tf32 else padded_staging(b, 1 if b_form == "nk" else 0)
+            b_contig = padded_staging(b, 1 if b_form == "nk" else 0)
             stage_b = "pad" if b_contig else "k"
         if stage_b == "k":  # staged B is [N, K] K-major
             b_form_eff, b_contig = "nk", "last"
