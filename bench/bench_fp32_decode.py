@@ -1,112 +1,117 @@
-"""The fp32 "ieee" tier at decode sizes vs cuBLAS SGEMM, and where its time goes (needs an
-SM90 GPU).
+"""The fp32 "ieee" tier at decode sizes (M <= 64) vs cuBLAS SGEMM (needs an SM80+ GPU).
 
 Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inputs):
-- `detgemm_fp32`: `dg.linear` as the table runs it (split both operands, one chunked GEMM
-  over 3x K on the 16-bit parts, unscale);
-- `split_w` / `split_x`: the one-pass split of the weight / of the activations alone;
-- `gemm_parts`: the chunked GEMM plus unscale on parts split once, outside the timing
-  (the table's tile), and `cand_*`: the same on each decode candidate tile (`DECODE_CANDIDATES`,
-  forced; the tile never changes the bits, checked against the table's on the first set);
-- `cublas_sgemm`: `F.linear` with TF32 off; `copy_w`: a device copy of W (bandwidth).
+- `detgemm_fp32`: `dg.linear` as it runs (M <= 64: the fused path, `split_decode`);
+- `split_path`: the same call with the fused path off (split both operands to memory, the
+  chunked GEMM over 3x K, unscale): what it replaces;
+- `fused_*` (``--sweep``): the fused kernel at each launch shape `SWEEP` lists, forced;
+- `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
+  floor of any kernel that reads the fp32 weight.
+Bits: every detgemm unit against `split_path` on the first input set.
 
-So detgemm_fp32 ~ split_w + split_x + gemm_parts, and the rows show which part a faster
-decode path must remove. `--m-list 1,2,...` replaces the decode M (e.g. 1..8192).
-
-    python bench/bench_fp32_decode.py --out $OUT [--max-seconds 90]
+    python bench/bench_fp32_decode.py --out $OUT [--sweep] [--max-seconds 300]
 """
 
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import registry, split
+from detgemm_cute import split_decode
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.fmt import device_slug, json_default
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
-from detgemm_cute.gemm import gemm
-from bench_fp32 import candidate_layer, cand_name, sgemm
+from bench_fp32 import sgemm
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64)
-DECODE_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 1280)]
-# Narrow N tiles: at M <= 64 the table's 64x128 tile runs N / 128 CTAs (32 for N = 4096).
-DECODE_CANDIDATES = [((64, 16, 96), 10, False, (1, 1)), ((64, 32, 96), 10, False, (1, 1)),
-                     ((64, 64, 96), 8, False, (1, 1)), ((64, 128, 96), 5, False, (1, 1))]
+# Public-model projections (hidden -> out), several families and tensor-parallel shards.
+DECODE_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 1280), (5120, 5120),
+             (3584, 18944), (18944, 3584), (2048, 8192), (8192, 8192), (1024, 4096),
+             (4096, 1024), (7168, 2048)]
+# (n_blocks, group, CTAs per SM) of the sweep; m_tiles follows M.
+SWEEP = [(1, 1, 1), (1, 2, 1), (1, 2, 2), (1, 4, 2), (2, 2, 2), (4, 1, 2), (2, 1, 2)]
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
 
-def chunked_gemm(bucket=None):
-    """GEMM + unscale on pre-split parts (s = (x, w, a2, sa, b2, sb)), optionally forced."""
-    def run(s):
-        _, _, a2, sa, b2, sb = s
-        if bucket is None:
-            c = gemm(a2, b2, "nk", None, torch.float32, op="fwd", split_in=split.BLOCK_K)
-        else:
-            with dg.force_bucket(bucket):
-                c = gemm(a2, b2, "nk", None, torch.float32, op="fwd", split_in=split.BLOCK_K)
-        return split.unscale(c, sa, sb)
-    return run
+def split_path(s):
+    with split_decode.fused(False):
+        return dg.linear(s[0], s[1])
 
 
-def make_sets(m, k, n, l2):
-    nbytes = 4 * (m * k + n * k) + 6 * (m + n) * k
-    out = []
-    for _ in range(min(8, n_sets_for(nbytes, l2, PLAN))):
-        x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-        (a2, sa), (b2, sb) = split.scaled_operand_cuda(x, "a"), split.scaled_operand_cuda(w, "b")
-        out.append((x, w, a2, sa, b2, sb))
-    return out
+def forced(m, n, nb, group, per_sm, sms):
+    m_tiles = -(-m // 16)
+    if m_tiles * nb > 4 or nb * group > 4:
+        return None
+    shape = (m_tiles, nb, group, min(-(-n // (8 * nb)), per_sm * sms))
+    return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
-def measure(m, k, n, names, l2, cap) -> dict:
-    sets = make_sets(m, k, n, l2)
-    units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]),
+def measure(m, k, n, sweep, l2, cap, sms) -> dict:
+    sets = [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
+            for _ in range(min(8, n_sets_for(4 * (m + n) * k, l2, PLAN)))]
+    units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]), "split_path": split_path,
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
-             "split_w": lambda s: split.scaled_operand_cuda(s[1], "b"),
-             "split_x": lambda s: split.scaled_operand_cuda(s[0], "a"),
-             "copy_w": lambda s: s[1].clone(),
-             "gemm_parts": chunked_gemm()}
-    units.update({nm: chunked_gemm(nm) for nm in names})
+             "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
+    if sweep:
+        for nb, group, per_sm in SWEEP:
+            fn = forced(m, n, nb, group, per_sm, sms)
+            if fn is not None:
+                units[f"fused_nb{nb}_g{group}_c{per_sm}"] = fn
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
-    ref = dg.linear(sets[0][0], sets[0][1]).view(torch.int32)
-    same = {nm: torch.equal(chunked_gemm(nm)(sets[0]).view(torch.int32), ref) for nm in names}
-    row = {"M": m, "K": k, "N": n, "us": us, "bits_equal_table": same,
+    ref = split_path(sets[0]).view(torch.int32)
+    same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref)
+            for nm in units if nm == "detgemm_fp32" or nm.startswith("fused_")}
+    row = {"M": m, "K": k, "N": n, "fused": split_decode.applies(sets[0][0], sets[0][1],
+                                                                  None, "fwd"),
+           "launch_shape": split_decode.launch_shape(m, n, k, sms), "us": us,
+           "bits_equal_split_path": same,
            "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
-    best = min((v, nm) for nm, v in us.items() if nm in names and v) if any(
-        us.get(nm) for nm in names) else (None, None)
-    gpu.log(f"{m}x{k}x{n}: fp32 {us['detgemm_fp32']} us = split_w {us['split_w']} + split_x "
-            f"{us['split_x']} + gemm {us['gemm_parts']} (best tile {best[1]} {best[0]}); "
-            f"sgemm {us['cublas_sgemm']}; copy W {us['copy_w']}; bits {same}")
+    gpu.log(f"{m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}); "
+            f"sgemm {us['cublas_sgemm']}; read W {us['read_w']}; bits {same}; "
+            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith("fused_")))
     del sets
     return row
 
 
+def _geomean(vals):
+    import math
+
+    vals = [v for v in vals if v]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
 def report(rows, meta) -> list[str]:
     f = lambda v: "-" if not v else f"{v:.1f}"  # noqa: E731
+    speed = [r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] for r in rows
+             if r["us"].get("cublas_sgemm") and r["us"].get("detgemm_fp32")]
+    low = [r for r in rows if r["us"].get("cublas_sgemm") and r["us"].get("detgemm_fp32")
+           and r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] < 0.8]
+    bits = all(all(r["bits_equal_split_path"].values()) for r in rows)
     lines = [f"# fp32 \"ieee\" at decode sizes ({meta['device']})", "",
-             f"torch {torch.__version__}; CUDA-graph medians, us. W read at copy speed: "
-             "`copy W` (read + write of W's fp32 bytes).", "",
-             "| M | K | N | detgemm fp32 | split W | split X | GEMM on parts | best tile | "
-             "SGEMM | copy W | vs SGEMM | best tile's total vs SGEMM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"torch {torch.__version__}; CUDA-graph medians, us; one run. `read W`: one read of "
+             "the fp32 weight (its row maxima), the floor of any kernel that reads it.", "",
+             f"detgemm vs SGEMM: geomean {_geomean(speed) or 0:.2f}x over {len(speed)} "
+             f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
+             f"equal the split path on every problem: {bits}.", "",
+             "| M | K | N | detgemm fp32 | launch (m_tiles, n_blocks, group, CTAs) | split path "
+             "| SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
-        cands = {nm: v for nm, v in us.items() if nm.startswith("cand_") and v}
-        best = min(cands, key=cands.get) if cands else None
-        tot = (us["split_w"] or 0) + (us["split_x"] or 0) + (cands.get(best) or 0)
+        forced_us = {nm: v for nm, v in us.items() if nm.startswith("fused_") and v}
+        best = min(forced_us, key=forced_us.get) if forced_us else None
         ratio = lambda t: "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"  # noqa: E731,E501
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(us['detgemm_fp32'])} | "
-                     f"{f(us['split_w'])} | {f(us['split_x'])} | {f(us['gemm_parts'])} | "
-                     f"{best} {f(cands.get(best))} | {f(us['cublas_sgemm'])} | "
-                     f"{f(us['copy_w'])} | {ratio(us['detgemm_fp32'])} | {ratio(tot)} |")
+                     f"{tuple(r['launch_shape']) if r['fused'] else 'split path'} | "
+                     f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
+                     f"{ratio(us['detgemm_fp32'])} | {ratio(us['split_path'])} | "
+                     f"{best or '-'} {f(forced_us.get(best))} |")
     return lines
 
 
@@ -114,7 +119,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
-    ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
+    ap.add_argument("--sweep", action="store_true", help="also time the forced launch shapes")
+    ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()
     err, _ = gpu.gpu_check()
     if err:
@@ -122,22 +129,20 @@ def main() -> int:
         return 1
     t0 = time.time()
     ms = [int(v) for v in args.m_list.split(",")] if args.m_list else DECODE_M
+    kns = ([tuple(int(x) for x in p.split("x")) for p in args.kn.split(",")] if args.kn
+           else DECODE_KN)
     meta, l2, cap = gpu.device_meta(), gpu.l2_bytes(), torch.cuda.Stream()
-    names = [cand_name(i, DECODE_CANDIDATES) for i in range(len(DECODE_CANDIDATES))]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     stem = Path(args.out) / f"fp32-decode_{device_slug(meta['device'])}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as d:
-        candidate_layer(Path(d) / "decode.yaml", DECODE_CANDIDATES)
-        registry.add_config(Path(d) / "decode.yaml")
-        for k, n, m in [(k, n, m) for k, n in DECODE_KN for m in ms]:
-            if time.time() - t0 > args.max_seconds:
-                gpu.log(f"time box reached after {len(rows)} problems")
-                break
-            rows.append(measure(m, k, n, names, l2, cap))
-            stem.with_suffix(".json").write_text(json.dumps(
-                {"device": meta, "rows": rows}, indent=1, default=json_default))
-        registry.reset_user_configs()
+    for k, n, m in [(k, n, m) for k, n in kns for m in ms]:
+        if time.time() - t0 > args.max_seconds:
+            gpu.log(f"time box reached after {len(rows)} problems")
+            break
+        rows.append(measure(m, k, n, args.sweep, l2, cap, sms))
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"device": meta, "rows": rows}, indent=1, default=json_default))
     stem.with_suffix(".md").write_text("\n".join(report(rows, meta)) + "\n")
     gpu.log(f"wrote {stem}.md/.json")
     return 0

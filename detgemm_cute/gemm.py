@@ -27,7 +27,7 @@ import threading
 import torch
 
 from . import compile as kcompile
-from . import dispatch, registry, split, staging
+from . import dispatch, registry, split, split_decode, staging
 from .errors import check_gemm_args
 from .kernels import tensor_needs as needs
 
@@ -414,8 +414,9 @@ def _fp32_route(op: str):
 def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     """The fp32 tier's full precision on the GPU (`split`). fwd/dX: scale and split both
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
-    bias and the one rounding. dW: exact bf16 parts, no scales, the chunked GEMM continuing
-    `acc`. (Precision "tf32" runs the TF32 kernels through the plain path instead.)"""
+    bias and the one rounding; with few rows (`split_decode.applies`) W's split runs inside
+    the GEMM instead, with the same bits. dW: exact bf16 parts, no scales, the chunked GEMM
+    continuing `acc`. (Precision "tf32" runs the TF32 kernels through the plain path.)"""
     b_nk = b if b_form == "nk" else b.t()
     if op == "dw":
         a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")
@@ -423,6 +424,8 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
                  split_in=split.EXACT_BLOCK_K)
         if acc is not None:
             return acc
+    elif _forced.name is None and split_decode.applies(a, b_nk, acc, op):  # W split in-GEMM
+        y, bias = split_decode.decode_gemm(a, b_nk, bias), None
     else:
         (a2, sa), (b2, sb) = (split.scaled_operand_cuda(a, "a"),
                               split.scaled_operand_cuda(b_nk, "b"))

@@ -1,14 +1,12 @@
-"""CPU checks of bench/bench_fp32_decode.py (the fp32 tier at decode sizes, split into its
-parts): its decode candidate tiles load as a valid fp32 layer, and the report renders from
-rows shaped like a GPU run's."""
+"""CPU checks of bench/bench_fp32_decode.py (the fp32 tier at decode sizes): its forced
+launch shapes are valid ones, and the report renders from rows shaped like a GPU run's."""
 
 from __future__ import annotations
-
 
 import pytest
 
 from bench_path import bench_on_path
-from detgemm_cute import registry
+
 
 @pytest.fixture(scope="module")
 def bd():
@@ -17,21 +15,22 @@ def bd():
         yield bench_fp32_decode
 
 
-def test_decode_candidates_are_valid_fp32_buckets(bd, tmp_path):
-    path = tmp_path / "decode.yaml"
-    bd.candidate_layer(path, bd.DECODE_CANDIDATES)
-    f = registry.load_config(path, arch="sm90")  # ConfigError names a bad tile or stage count
-    assert [b.name for b in f.buckets] == [bd.cand_name(i, bd.DECODE_CANDIDATES)
-                                           for i in range(len(bd.DECODE_CANDIDATES))]
-    assert all(b.tile[2] == 96 and b.dtypes == ("fp32",) for b in f.buckets)
+def test_sweep_shapes_are_launchable_or_skipped(bd):
+    for m in bd.DECODE_M:
+        for nb, group, per_sm in bd.SWEEP:
+            fn = bd.forced(m, 4096, nb, group, per_sm, 132)
+            m_tiles = -(-m // 16)
+            assert (fn is None) == (m_tiles * nb > 4 or nb * group > 4)
 
 
 def test_report_renders(bd):
-    us = {"detgemm_fp32": 144.0, "cublas_sgemm": 34.0, "split_w": 75.0, "split_x": 3.0,
-          "copy_w": 45.0, "gemm_parts": 60.0, "cand_64x32_s10_np": 38.0,
-          "cand_64x16_s10_np": None}
-    lines = bd.report([{"M": 1, "K": 4096, "N": 4096, "us": us}], {"device": "TEST GPU"})
+    us = {"detgemm_fp32": 30.0, "split_path": 140.0, "cublas_sgemm": 28.0, "read_w": 24.0,
+          "fused_nb1_g2_c2": 29.5, "fused_nb2_g2_c2": None}
+    rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "launch_shape": [1, 1, 2, 264],
+             "us": us, "bits_equal_split_path": {"detgemm_fp32": True}}]
+    lines = bd.report(rows, {"device": "TEST GPU"})
     row = lines[-1]
-    assert row.startswith("| 1 | 4096 | 4096 | 144.0 | 75.0 | 3.0 | 60.0 |")
-    assert "cand_64x32_s10_np 38.0" in row and "| 0.24 |" in row
-    assert row.endswith(f"| {34.0 / (75.0 + 3.0 + 38.0):.2f} |")
+    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | (1, 1, 2, 264) | 140.0 | 28.0 | 24.0 |")
+    assert "| 0.93 | 0.20 |" in row and row.endswith("fused_nb1_g2_c2 29.5 |")
+    assert any("geomean 0.93x over 1 problems" in line and "0 below 0.8x" in line
+               for line in lines)

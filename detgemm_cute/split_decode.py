@@ -1,0 +1,141 @@
+"""fp32 "ieee" GEMMs with few rows: W split inside the GEMM (`kernels.split_gemv`).
+
+At small M the split path (`split.scaled_operand_cuda` on W, then the chunked GEMM) spends
+most of its time writing W's three fp16 parts and reading them back: 160 MB of traffic for a
+64 MB fp32 W. `SplitGemvFp32` reads W as fp32 (twice: the second read, right after the
+first, is served by L2) and splits it in registers; the bits are the split path's.
+
+Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
+1 <= M <= 32, K a positive multiple of 32, the weight K-contiguous with 16-byte-aligned rows
+and base (`tensor_needs.SPLIT_ROWS`), a GPU from sm_80 up. ``DETGEMM_CUTE_FP32_DECODE=0``
+(read at import) turns it off.
+
+The launch shape is plain arithmetic (`launch_shape`): rows of W per CTA, chunks per warp
+and round, and a persistent grid of two CTAs per SM at most.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from . import split
+from .kernels import tensor_needs as needs
+
+MAX_M = 32  # above, X's parts read per block of W cost more than W's split saves
+ENV = "DETGEMM_CUTE_FP32_DECODE"
+_ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
+CTAS_PER_SM = 2
+_WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
+_SMEM_FLOATS = 24576  # the chunk exchange: 2 buffers x chunks per round x outputs, 96 KiB
+
+W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
+OUT_NEED = needs.Need(needs.ELEMENT, (needs.ANY, needs.UNIT))
+BIAS_NEED = needs.Need(needs.ELEMENT, (needs.UNIT,))
+
+
+@contextlib.contextmanager
+def fused(on: bool):
+    """Turn the fused path on or off inside the block (process-wide; tests and benchmarks
+    compare it with the split path)."""
+    global _ON
+    prev, _ON = _ON, bool(on)
+    try:
+        yield
+    finally:
+        _ON = prev
+
+
+def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
+    """Whether this fp32 "ieee" call runs on the fused kernel (see the module docstring)."""
+    m, k = a.shape
+    return (_ON and acc is None and op != "dw" and 0 < m <= MAX_M and k > 0
+            and k % split.BLOCK_K == 0 and W_NEED.meets(b_nk)
+            and _capability(a.device) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(m_tiles, n_blocks, group, ctas): m16 tiles for M rows; n8 blocks of W rows per CTA
+    (two when N gives every CTA of the grid a block: X's parts are then shared by more rows);
+    chunks per warp and round (loads in flight, with the W registers n_blocks * group <= 4);
+    a persistent grid of `CTAS_PER_SM` CTAs per SM (`bench/bench_fp32_decode.py --sweep`)."""
+    m_tiles = -(-m // 16)
+    n_blocks = 2 if n >= 16 * CTAS_PER_SM * sms else 1
+    group = (4 if m_tiles == 1 else 2) // n_blocks
+    while group > 1 and 2 * _WARPS * group * 16 * m_tiles * 8 * n_blocks > _SMEM_FLOATS:
+        group //= 2
+    blocks = -(-n // (8 * n_blocks))
+    return m_tiles, n_blocks, group, min(blocks, CTAS_PER_SM * sms)
+
+
+def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
+                shape: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
+    bias in fp32 (not yet rounded to another output dtype). `shape` overrides
+    `launch_shape` (benchmarks)."""
+    m, k = a.shape
+    n = b_nk.shape[0]
+    a2, sa = split.scaled_operand_cuda(a, "a")
+    chunks = k // split.BLOCK_K
+    y = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    if n == 0:
+        return y
+    m_tiles, n_blocks, group, ctas = shape or launch_shape(m, n, k, _sms(a.device))
+    if bias is not None:
+        bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
+    ld = b_nk.stride(0) if n > 1 else k
+    w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
+    w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+    parts = a2.view(m, chunks, 3, 2, 4, 4)
+    fn = _kernel(m_tiles, n_blocks, group, bias is not None, a.device)
+    fn(w, w_bits, parts, sa.reciprocal(), y, bias, ctas)
+    return y
+
+
+def _kernel(m_tiles, n_blocks, group, has_bias, device):
+    arch = split.helper_arch(device)
+    key = ("gemv", m_tiles, n_blocks, group, has_bias, arch)
+    return split.compiled_once(key, lambda: compile_kernel(m_tiles, n_blocks, group,
+                                                           has_bias, arch))
+
+
+def compile_kernel(m_tiles: int, n_blocks: int, group: int, has_bias: bool, arch: str,
+                   extra_options: str = ""):
+    """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
+    `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernels.split_gemv import SplitGemvFp32
+
+    n, m, chunks, quads = (cute.sym_int() for _ in range(4))
+    w = needs.fake(cutlass.Float32, (n, chunks, 2, 4, 4), W_NEED,
+                   strides=(W_NEED.strides[0], 32, 16, 4, needs.UNIT))
+    w_bits = needs.fake(cutlass.Int32, (n, quads, 4), W_NEED,
+                        strides=(W_NEED.strides[0], 4, needs.UNIT))
+    parts = needs.fake(cutlass.Float16, (m, chunks, 3, 2, 4, 4), needs.SPLIT_PARTS,
+                       strides=(needs.SPLIT_PARTS.strides[0], 96, 32, 16, 4, needs.UNIT))
+    inv = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
+    y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
+    bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(SplitGemvFp32(m_tiles, n_blocks, group, has_bias), w, w_bits, parts,
+                        inv, y, bias, cutlass.Int32(1), stream,
+                        options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
+
+
+__all__ = ["fused", "applies", "decode_gemm", "launch_shape", "compile_kernel", "MAX_M", "ENV"]

@@ -1,0 +1,162 @@
+"""The fp32 tier's fused path for few rows (`split_decode`, kernels/split_gemv.py) on the GPU.
+
+It must give the bits of the split path it replaces (W split to memory, the chunked GEMM,
+unscale) and of the CPU reference, at every M it serves and for every launch shape, and a
+row's bits must not depend on how many rows ride with it (M <= 64 fused, M > 64 split).
+
+Run on the GPU machine:  python3 -m pytest -q tests/test_gpu_fp32_decode.py"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("needs an SM80+ GPU", allow_module_level=True)
+
+import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import reference, split_decode  # noqa: E402
+from detgemm_cute.reference import same_bits as same_bits_nan  # noqa: E402
+from gpu_helpers import graph_replayed, poison, same_bits  # noqa: E402
+
+DEV = "cuda"
+F32 = torch.float32
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def rand(*shape, g=None, spread=False):
+    x = torch.randn(*shape, device=DEV, dtype=F32, generator=g)
+    if spread:  # exponents over a wide range: both fp16 parts (and their subnormals) carry bits
+        e = torch.randint(-30, 31, shape, device=DEV, generator=g).to(F32)
+        x = x * torch.exp2(e)
+    return x
+
+
+def split_path(x, w, bias=None):
+    with split_decode.fused(False):
+        return dg.linear(x, w, bias)
+
+
+def fused_path(x, w, bias=None):
+    """dg.linear where the fused path serves M; above `MAX_M` (the kernel takes up to 64
+    rows) the kernel itself, plus the caller's bias."""
+    with split_decode.fused(True):
+        poison()
+        if x.shape[0] > split_decode.MAX_M:
+            return split_decode.decode_gemm(x, w, bias)
+        assert split_decode.applies(x, w, None, "fwd")
+        return dg.linear(x, w, bias)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 15, 16, 17, 31, 33, 48, 64])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (8, 96), (100, 320), (1000, 1024),
+                                 (4096, 4096), (1280, 8192), (333, 14336)])
+def test_fused_has_the_split_paths_bits(m, n, k):
+    g = torch.Generator(device=DEV).manual_seed(m * 131 + n * 7 + k)
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    assert same_bits(fused_path(x, w, bias), split_path(x, w, bias))
+    assert same_bits(fused_path(x, w), split_path(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 40, 64])
+def test_every_launch_shape_same_bits(m):
+    g = torch.Generator(device=DEV).manual_seed(m)
+    n, k = 600, 2048 + 32 * 7  # a partial last block and a partial last round
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    want = split_path(x, w, bias)
+    m_tiles = -(-m // 16)
+    for n_blocks in (1, 2, 4):
+        for group in (1, 2, 4):
+            if m_tiles * n_blocks > 4 or group * n_blocks > 4:
+                continue
+            for ctas in (1, 7, SMS, 2 * SMS):
+                poison()
+                y = split_decode.decode_gemm(x, w, bias, (m_tiles, n_blocks, group, ctas))
+                assert same_bits(y, want), (n_blocks, group, ctas)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 72, 160), (19, 24, 96)])
+def test_matches_cpu_reference(m, n, k):
+    g = torch.Generator(device=DEV).manual_seed(m + n + k)
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    y = fused_path(x, w, bias)
+    want = reference.linear(x.cpu(), w.cpu(), bias.cpu())
+    assert same_bits(y.cpu(), want)
+
+
+def test_special_values_match_the_split_path():
+    g = torch.Generator(device=DEV).manual_seed(11)
+    m, n, k = 9, 64, 256
+    x, w = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True)
+    w[0].zero_()  # a row of zeros (scale 2^127)
+    w[1] = -0.0
+    w[2, 5] = float("inf")
+    w[3, 7] = float("nan")
+    w[4, 100] = float("-inf")
+    w[5] *= 2.0 ** -140  # subnormal fp32 values
+    w[6] *= 2.0 ** 100  # near the top of fp32
+    w[7, :128] = 0.0
+    w[8] = torch.finfo(F32).max
+    x[1, 3] = float("nan")
+    x[2].zero_()
+    x[3] *= 2.0 ** -130
+    y, want = fused_path(x, w), split_path(x, w)
+    assert same_bits_nan(y.cpu(), want.cpu())
+    assert same_bits_nan(y.cpu(), reference.linear(x.cpu(), w.cpu()))
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1280, 8192), (520, 96)])
+def test_a_rows_bits_do_not_depend_on_how_many_rows_ride_with_it(n, k):
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    x, w, bias = rand(300, k, g=g), rand(n, k, g=g), rand(n, g=g)
+    full = dg.linear(x, w, bias)  # M = 300: the split path
+    for m in (1, 2, 17, 64, 65):
+        assert same_bits(dg.linear(x[:m], w, bias), full[:m]), m
+    assert same_bits(dg.linear(x[37:38], w, bias), full[37:38])
+
+
+def test_strided_and_misaligned_weights():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = rand(4, 256, g=g)
+    wide = rand(300, 512, g=g)
+    w = wide[:, 128:384]  # row stride 512, 16-byte aligned base: read in place
+    assert split_decode.applies(x, w, None, "fwd")
+    assert same_bits(fused_path(x, w), split_path(x, w.contiguous()))
+    odd = rand(300, 300, g=g)[:, 1:257]  # base 4 bytes past alignment: the split path
+    assert not split_decode.applies(x, odd, None, "fwd")
+    assert same_bits(dg.linear(x, odd), split_path(x, odd.contiguous()))
+    ragged = rand(300, 100, g=g)  # K not a multiple of 32: the split path
+    assert not split_decode.applies(rand(4, 100, g=g), ragged, None, "fwd")
+
+
+def test_16bit_output_and_out_rounds_once():
+    g = torch.Generator(device=DEV).manual_seed(9)
+    x, w, bias = rand(3, 512, g=g), rand(200, 512, g=g), rand(200, g=g)
+    y32 = fused_path(x, w, bias)
+    with split_decode.fused(True):
+        assert same_bits(dg.linear(x, w, bias, out_dtype=torch.bfloat16),
+                         y32.to(torch.bfloat16))
+
+
+def test_cuda_graph_replay():
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x, w, bias = rand(2, 1024, g=g), rand(777, 1024, g=g), rand(777, g=g)
+    with split_decode.fused(True):
+        y = graph_replayed(lambda: dg.linear(x, w, bias))
+    assert same_bits(y, split_path(x, w, bias))
+
+
+def test_autograd_forward_uses_it_and_backward_matches():
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = rand(8, 256, g=g).requires_grad_()
+    lin = dg.nn.Linear(256, 96).to(DEV)
+    with split_decode.fused(True):
+        y = lin(x)
+        y.sum().backward()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = None
+    lin.weight.grad = None
+    with split_decode.fused(False):
+        y2 = lin(x)
+        y2.sum().backward()
+    assert same_bits(y, y2) and same_bits(x.grad, gx) and same_bits(lin.weight.grad, gw)

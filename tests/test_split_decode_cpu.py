@@ -1,0 +1,75 @@
+"""CPU checks of the fp32 tier's fused path for few rows (`split_decode`,
+kernels/split_gemv.py): which calls take it, its launch arithmetic, and its compiled code
+(built for sm_80 and sm_90 from fake tensors: the PTX must show the m16n8k16 chain, 16-byte
+loads of W and no fused multiply-add where the split path rounds twice)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from detgemm_cute import split_decode
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """`applies` as on an sm_90 GPU (CPU tensors stand in for CUDA ones)."""
+    monkeypatch.setattr(split_decode, "_capability", lambda device: (9, 0))
+    with split_decode.fused(True):
+        yield
+
+
+def test_which_calls_take_the_fused_path(on_gpu):
+    x, w = torch.randn(4, 256), torch.randn(100, 256)
+    assert split_decode.applies(x, w, None, "fwd")
+    assert split_decode.applies(x, w, None, "dx")
+    assert not split_decode.applies(x, w, None, "dw")  # dW has its own exact scheme
+    assert not split_decode.applies(x, w, torch.zeros(4, 100), "fwd")  # accumulation
+    assert split_decode.applies(torch.randn(split_decode.MAX_M, 256), w, None, "fwd")
+    assert not split_decode.applies(torch.randn(split_decode.MAX_M + 1, 256), w, None, "fwd")
+    assert not split_decode.applies(torch.randn(4, 100), torch.randn(8, 100), None, "fwd")
+    assert not split_decode.applies(x, w.t().contiguous().t(), None, "fwd")  # N-contiguous
+    assert not split_decode.applies(x, torch.randn(100, 260)[:, 1:257], None, "fwd")
+    assert split_decode.applies(x, torch.randn(100, 512)[:, 128:384], None, "fwd")
+    with split_decode.fused(False):
+        assert not split_decode.applies(x, w, None, "fwd")
+
+
+def test_old_gpus_keep_the_split_path(monkeypatch):
+    monkeypatch.setattr(split_decode, "_capability", lambda device: (7, 5))
+    assert not split_decode.applies(torch.randn(4, 256), torch.randn(100, 256), None, "fwd")
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 64])
+@pytest.mark.parametrize("n,k", [(1, 32), (100, 4096), (1280, 8192), (4096, 4096),
+                                 (14336, 4096), (151936, 896)])
+def test_launch_shape_arithmetic(m, n, k):
+    m_tiles, n_blocks, group, ctas = split_decode.launch_shape(m, n, k, 132)
+    assert m_tiles == -(-m // 16)
+    assert n_blocks in (1, 2, 4) and group in (1, 2, 4) and n_blocks * group <= 4
+    assert 2 * 8 * group * 16 * m_tiles * 8 * n_blocks <= split_decode._SMEM_FLOATS
+    assert 1 <= ctas <= min(-(-n // (8 * n_blocks)), split_decode.CTAS_PER_SM * 132)
+
+
+def test_kernel_rejects_shapes_it_has_no_code_for():
+    from detgemm_cute.kernels.split_gemv import SplitGemvFp32
+
+    for bad in [(0, 1, 1), (5, 1, 1), (1, 3, 1), (1, 1, 8)]:
+        with pytest.raises(ValueError, match="SplitGemvFp32"):
+            SplitGemvFp32(*bad, False)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("shape", [(1, 1, 4, True), (2, 2, 1, False), (4, 1, 2, True)])
+def test_compiled_code(arch, shape, tmp_path):
+    fn = split_decode.compile_kernel(*shape, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
+    assert "ld.global.v4.b32" in ops  # W: one 16-byte load per 4 values
+    assert "cvt.rn.f16x2.f32" in ops  # the split's round-to-nearest-even conversions
+    assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
+    assert ("add.rn.f32" in ops) == shape[3]  # the bias add
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
