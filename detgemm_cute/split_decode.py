@@ -30,7 +30,9 @@ ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
 CTAS_PER_SM = 2
 _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
-_SMEM_FLOATS = 24576  # the chunk exchange: 2 buffers x chunks per round x outputs, 96 KiB
+_SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
+SMEM_LIMIT = 227 * 1024  # one CTA's most (sm_90; sm_80 has 163 KiB: `launch_shape` stays below)
+
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
 OUT_NEED = needs.Need(needs.ELEMENT, (needs.ANY, needs.UNIT))
@@ -67,22 +69,41 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(m_tiles, n_blocks, group, ctas): m16 tiles for M rows; n8 blocks of W rows per CTA
-    (two when N gives every CTA of the grid a block: X's parts are then shared by more rows);
-    chunks per warp and round (loads in flight, with the W registers n_blocks * group <= 4);
-    a persistent grid of `CTAS_PER_SM` CTAs per SM (`bench/bench_fp32_decode.py --sweep`)."""
-    m_tiles = -(-m // 16)
-    n_blocks = 2 if n >= 16 * CTAS_PER_SM * sms else 1
-    group = (4 if m_tiles == 1 else 2) // n_blocks
-    while group > 1 and 2 * _WARPS * group * 16 * m_tiles * 8 * n_blocks > _SMEM_FLOATS:
+def m_rows_for(m: int) -> int:
+    """The rows of X a kernel is built for (1 <= m <= MAX_M): the next power of two."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def smem_bytes(m_rows: int, n_blocks: int, group: int, stages: int) -> int:
+    """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and X's parts, the
+    chunk exchange, the row scales."""
+    slots = _WARPS * group
+    w = stages * 8 * n_blocks * (slots * 32 + 16) * 4
+    a = stages * m_rows * (slots * 96 + 16) * 2
+    return w + a + 2 * slots * m_rows * 8 * n_blocks * 4 + 2 * 8 * n_blocks * 4 + 3 * 128
+
+
+def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(m_rows, n_blocks, group, stages, ctas): X's rows (`m_rows_for`); n8 blocks of W
+    rows per CTA (two when N gives every CTA of the grid a block: X's parts are then shared
+    by more rows); chunks per warp and round; as many cp.async stages (3..4) as two CTAs per
+    SM leave room for; a persistent grid of `CTAS_PER_SM` CTAs per SM
+    (`bench/bench_fp32_decode.py --sweep` measured the choices)."""
+    m_rows = m_rows_for(m)
+    n_blocks = 2 if n >= 16 * CTAS_PER_SM * sms and m_rows <= 16 else 1
+    group = 2
+    stages = 4
+    while stages > 2 and smem_bytes(m_rows, n_blocks, group, stages) > _SMEM_BYTES:
+        stages -= 1
+    while group > 1 and smem_bytes(m_rows, n_blocks, group, stages) > _SMEM_BYTES:
         group //= 2
+    per_sm = CTAS_PER_SM if smem_bytes(m_rows, n_blocks, group, stages) <= _SMEM_BYTES else 1
     blocks = -(-n // (8 * n_blocks))
-    return m_tiles, n_blocks, group, min(blocks, CTAS_PER_SM * sms)
+    return m_rows, n_blocks, group, stages, min(blocks, per_sm * sms)
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
-                shape: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                shape: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
     bias in fp32 (not yet rounded to another output dtype). `shape` overrides
     `launch_shape` (benchmarks)."""
@@ -93,27 +114,27 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    m_tiles, n_blocks, group, ctas = shape or launch_shape(m, n, k, _sms(a.device))
+    m_rows, n_blocks, group, stages, ctas = shape or launch_shape(m, n, k, _sms(a.device))
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
     ld = b_nk.stride(0) if n > 1 else k
     w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     parts = a2.view(m, chunks, 3, 2, 4, 4)
-    fn = _kernel(m_tiles, n_blocks, group, bias is not None, a.device)
+    fn = _kernel(m_rows, n_blocks, group, stages, bias is not None, a.device)
     fn(w, w_bits, parts, sa.reciprocal(), y, bias, ctas)
     return y
 
 
-def _kernel(m_tiles, n_blocks, group, has_bias, device):
+def _kernel(m_rows, n_blocks, group, stages, has_bias, device):
     arch = split.helper_arch(device)
-    key = ("gemv", m_tiles, n_blocks, group, has_bias, arch)
-    return split.compiled_once(key, lambda: compile_kernel(m_tiles, n_blocks, group,
+    key = ("gemv", m_rows, n_blocks, group, stages, has_bias, arch)
+    return split.compiled_once(key, lambda: compile_kernel(m_rows, n_blocks, group, stages,
                                                            has_bias, arch))
 
 
-def compile_kernel(m_tiles: int, n_blocks: int, group: int, has_bias: bool, arch: str,
-                   extra_options: str = ""):
+def compile_kernel(m_rows: int, n_blocks: int, group: int, stages: int, has_bias: bool,
+                   arch: str, extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
@@ -133,9 +154,9 @@ def compile_kernel(m_tiles: int, n_blocks: int, group: int, has_bias: bool, arch
     y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
     bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(SplitGemvFp32(m_tiles, n_blocks, group, has_bias), w, w_bits, parts,
+    return cute.compile(SplitGemvFp32(m_rows, n_blocks, group, stages, has_bias), w, w_bits, parts,
                         inv, y, bias, cutlass.Int32(1), stream,
                         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
 
 
-__all__ = ["fused", "applies", "decode_gemm", "launch_shape", "compile_kernel", "MAX_M", "ENV"]
+__all__ = ["fused", "applies", "decode_gemm", "launch_shape", "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]

@@ -1,6 +1,6 @@
 """The fp32 tier's full precision at decode sizes: W's split fused into the GEMM (sm_80 up).
 
-``Y[M, N] = unscale(chunks(parts(X), parts(W))) (+ bias)`` for M <= 64, with the bits of
+``Y[M, N] = unscale(chunks(parts(X), parts(W))) (+ bias)`` for M <= 32, with the bits of
 the split path (`split.py`: `scaled_operand_cuda` on both operands, the chunked GEMM,
 `split.unscale`), but W is read as fp32 and split in registers: its three fp16 parts are
 never written to memory and read back. X's parts (M rows, small) come from the split kernel.
@@ -53,18 +53,27 @@ _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 
 class SplitGemvFp32:
     """One CTA per block of ``8 * n_blocks`` rows of W (persistent: the launch's grid may be
-    smaller than the block count), ``m_tiles`` m16 tiles of X's rows (M <= 16 * m_tiles),
-    ``group`` chunks per warp and round, optional fp32 bias."""
+    smaller than the block count), ``m_rows`` rows of X at most (a power of two up to 32: the
+    m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per
+    warp and round, ``stages`` rounds in the cp.async ring, optional fp32 bias."""
 
-    def __init__(self, m_tiles: int, n_blocks: int, group: int, has_bias: bool):
-        if not 1 <= m_tiles <= 4 or n_blocks not in (1, 2, 4) or group not in (1, 2, 4):
-            raise ValueError(f"SplitGemvFp32: m_tiles 1..4, n_blocks and group in (1, 2, 4); "
-                             f"got {m_tiles}, {n_blocks}, {group}")
-        self.m_tiles, self.n_blocks, self.group = m_tiles, n_blocks, group
+    def __init__(self, m_rows: int, n_blocks: int, group: int, stages: int, has_bias: bool):
+        if (m_rows not in (1, 2, 4, 8, 16, 32) or n_blocks not in (1, 2, 4)
+                or group not in (1, 2, 4) or not 2 <= stages <= 6):
+            raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32), n_blocks "
+                             f"and group in (1, 2, 4), stages 2..6; got {m_rows}, {n_blocks}, "
+                             f"{group}, {stages}")
+        self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
+        self.n_blocks, self.group, self.stages = n_blocks, group, stages
         self.bn = 8 * n_blocks
         self.has_bias = has_bias
         self.slots = WARPS * group  # chunks per round
-        self.outs = 16 * m_tiles * self.bn  # outputs of a block (rows past M included)
+        # Shared-memory row pitches, padded so that a warp's fragment reads hit distinct
+        # banks: W rows by 16 fp32 (lanes 4 rows apart alternate bank halves), X rows by 16
+        # fp16 (four rows' 8-byte reads fill 128 bytes).
+        self.w_pitch = self.slots * 32 + 16
+        self.a_pitch = self.slots * 96 + 16
+        self.outs = m_rows * self.bn  # outputs of a block (rows below m_rows)
         self.per_thread = -(-self.outs // THREADS)
 
     @cute.jit
@@ -73,9 +82,13 @@ class SplitGemvFp32:
                  ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
+        w_floats = self.stages * self.bn * self.w_pitch
+        a_halves = self.stages * self.m_rows * self.a_pitch
 
         @cute.struct
         class SharedStorage:
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, w_floats], 128]
+            a: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, a_halves], 128]
             parts: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, 2 * self.slots * self.outs], 16]
             scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
@@ -93,7 +106,7 @@ class SplitGemvFp32:
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         warp, lane = tidx // 32, tidx % 32
-        bn, mt_n, nb_n, grp = self.bn, self.m_tiles, self.n_blocks, self.group
+        bn, nb_n, grp, stages = self.bn, self.n_blocks, self.group, self.stages
         n_total = cute.size(mW, mode=[0])
         chunks = cute.size(mW, mode=[1])
         m_total = cute.size(mA, mode=[0])
@@ -101,53 +114,85 @@ class SplitGemvFp32:
         rounds = (chunks + self.slots - 1) // self.slots
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # W: [stage][row][chunk slot][32] (pitch w_pitch per row); X's parts: [stage][row]
+        # [chunk slot][96] (pitch a_pitch); chunk values: [buffer][slot][row][col].
+        s_w = storage.w.get_tensor(cute.make_layout(
+            (4, 8, self.slots, bn, stages),
+            stride=(1, 4, 32, self.w_pitch, bn * self.w_pitch)))
+        s_a = storage.a.get_tensor(cute.make_layout(
+            (8, 12, self.slots, self.m_rows, stages),
+            stride=(1, 8, 96, self.a_pitch, self.m_rows * self.a_pitch)))
         s_parts = storage.parts.get_tensor(
-            cute.make_layout((2, self.slots, 16 * mt_n, bn),
+            cute.make_layout((2, self.slots, self.m_rows, bn),
                              stride=(self.slots * self.outs, self.outs, bn, 1)))
         s_scale = storage.scale.get_tensor(cute.make_layout(bn))
         s_inv = storage.inv.get_tensor(cute.make_layout(bn))
+        g2s_w = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            cutlass.Float32, num_bits_per_copy=128)
+        g2s_a = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            cutlass.Float16, num_bits_per_copy=128)
+        # X's parts as [row, chunk, 12, 8]: 16-byte vectors.
+        mA8 = cute.make_tensor(mA.iterator, cute.make_layout(
+            (m_total, chunks, 12, 8), stride=(mA.stride[0], 96, 8, 1)))
 
-        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16 * mt_n, 16 * STEPS)))
+        frag_a = tiled_mma.make_fragment_A(
+            tiled_mma.partition_shape_A((16 * self.m_tiles, 16 * STEPS)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((bn, 16 * STEPS)))
-        chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * mt_n, bn)))
-        # Vector mode first: each 16-byte load fills 4 consecutive registers.
-        w_next = cute.make_rmem_tensor((4, 2, nb_n, grp), cutlass.Float32)
-        w_cur = cute.make_rmem_tensor((4, 2, nb_n, grp), cutlass.Float32)
+        chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * self.m_tiles, bn)))
         acc = cute.make_rmem_tensor((self.per_thread,), cutlass.Float32)
         row_scale = cute.make_rmem_tensor((nb_n,), cutlass.Float32)
 
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * bn
+            # The first rounds' copies go out before the row maxima: they read the same lines.
+            for s in cutlass.range_constexpr(stages - 1):
+                if s < rounds:
+                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
+                                     m_total, s, s, tidx)
+                cute.arch.cp_async_commit_group()
             self._row_scales(mWbits, s_scale, s_inv, n0, n_total, tidx)
             cute.arch.sync_threads()
             for nb in cutlass.range_constexpr(nb_n):
                 row_scale[nb] = s_scale[nb * 8 + lane // 4]
             acc.fill(0.0)
-            self._load_w(mW, w_next, n0, n_total, chunks, warp, lane, 0)
             for r in cutlass.range(rounds, unroll=1):
-                w_cur.store(w_next.load())
-                if r + 1 < rounds:
-                    self._load_w(mW, w_next, n0, n_total, chunks, warp, lane, r + 1)
-                buf = r % 2
+                # Round r has landed (at most stages-2 newer groups in flight), and every
+                # warp is done with round r-1, whose stage now takes round r+stages-1.
+                cute.arch.cp_async_wait_group(stages - 2)
+                cute.arch.sync_threads()
+                nxt = r + stages - 1
+                if nxt < rounds:
+                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
+                                     m_total, nxt, nxt % stages, tidx)
+                cute.arch.cp_async_commit_group()
+                stage, buf = r % stages, r % 2
                 for gi in cutlass.range_constexpr(grp):
-                    c = (r * WARPS + warp) * grp + gi
-                    if c < chunks:
-                        self._split_w(w_cur, row_scale, frag_b, gi)
-                        self._load_a(mA, frag_a, c, m_total, lane)
+                    slot = warp * grp + gi
+                    if r * self.slots + slot < chunks:
+                        self._split_w(s_w, row_scale, frag_b, slot, stage, lane)
+                        self._load_a(s_a, frag_a, slot, stage, m_total, lane)
                         chunk.fill(0.0)
                         for s in cutlass.range_constexpr(STEPS):
                             cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
                                       frag_b[(None, None, s)], chunk)
-                        self._store_chunk(chunk, s_parts, buf, warp * grp + gi, m_total, lane)
+                        self._store_chunk(chunk, s_parts, buf, slot, m_total, lane)
                 cute.arch.sync_threads()
-                in_round = cutlass.min(self.slots, chunks - r * self.slots)
+                in_round = chunks - r * self.slots
                 for i in cutlass.range_constexpr(self.per_thread):
                     o = tidx + i * THREADS
                     m = o // bn
                     if m < m_total:
+                        # Independent loads, then the adds in ascending chunk order.
+                        vals = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
+                        for sl in cutlass.range_constexpr(self.slots):
+                            if sl < in_round:
+                                vals[sl] = s_parts[(buf, sl, m, o % bn)]
                         total = acc[i]
-                        for sl in cutlass.range(in_round, unroll=1):
-                            total = total + s_parts[(buf, sl, m, o % bn)]
+                        for sl in cutlass.range_constexpr(self.slots):
+                            if sl < in_round:
+                                total = total + vals[sl]
                         acc[i] = total
             for i in cutlass.range_constexpr(self.per_thread):
                 o = tidx + i * THREADS
@@ -158,7 +203,30 @@ class SplitGemvFp32:
                     if cutlass.const_expr(self.has_bias):
                         y = add_rn(y, mBias[n])
                     mY[(m, n)] = y
-            cute.arch.sync_threads()  # the next block rewrites the scales
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    @cute.jit
+    def _copy_round(self, g2s_w, g2s_a, mW: cute.Tensor, mA8: cute.Tensor, s_w: cute.Tensor,
+                    s_a: cute.Tensor, n0, n_total, chunks, m_total, r, stage, tidx):
+        """cp.async round r's W rows and X's parts (16-byte vectors, threads in memory
+        order) into `stage`; nothing past N, M or the last chunk (never read)."""
+        c0 = r * self.slots
+        w_vecs = self.bn * self.slots * 8
+        for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
+            u = tidx + i * THREADS
+            v, rest = u % 8, u // 8
+            sl, row = rest % self.slots, rest // self.slots
+            if u < w_vecs and n0 + row < n_total and c0 + sl < chunks:
+                cute.copy(g2s_w, mW[(n0 + row, c0 + sl, v // 4, v % 4, None)],
+                          s_w[(None, v, sl, row, stage)])
+        a_vecs = self.m_rows * self.slots * 12
+        for i in cutlass.range_constexpr(-(-a_vecs // THREADS)):
+            u = tidx + i * THREADS
+            v, rest = u % 12, u // 12
+            sl, row = rest % self.slots, rest // self.slots
+            if u < a_vecs and row < m_total and c0 + sl < chunks:
+                cute.copy(g2s_a, mA8[(row, c0 + sl, v, None)], s_a[(None, v, sl, row, stage)])
 
     @cute.jit
     def _row_scales(self, mWbits: cute.Tensor, s_scale: cute.Tensor, s_inv: cute.Tensor,
@@ -194,50 +262,46 @@ class SplitGemvFp32:
             inv_i[row] = cutlass.Int32(inv_bits)
 
     @cute.jit
-    def _load_w(self, mW: cute.Tensor, w: cute.Tensor, n0, n_total, chunks, warp, lane, r):
-        """Round r's W values of this thread: per chunk, n8 block and 16-wide half, the 4
-        consecutive values 4t..4t+3 of row 8*nb + lane/4 (zeros past N or the last chunk)."""
+    def _split_w(self, s_w: cute.Tensor, row_scale: cute.Tensor, frag_b: cute.Tensor, slot,
+                 stage, lane):
+        """B fragments of the chunk in `slot`'s six steps: per n8 block and 16-wide half,
+        this thread's values 4t..4t+3 of row 8 * nb + lane / 4, x = w * s (exact),
+        hi = fp16(x), -lo = fp16(hi - x), -hi = fp16(-x); steps -hi j0, -hi j1, -lo j0,
+        -lo j1, hi j0, hi j1 (split.py's side "b")."""
         g, t = lane // 4, lane % 4
-        for gi in cutlass.range_constexpr(self.group):
-            c = (r * WARPS + warp) * self.group + gi
-            for nb in cutlass.range_constexpr(self.n_blocks):
-                n = n0 + nb * 8 + g
-                for j in cutlass.range_constexpr(2):
-                    if n < n_total and c < chunks:
-                        cute.autovec_copy(mW[(n, c, j, t, None)], w[(None, j, nb, gi)])
-                    else:
-                        w[(None, j, nb, gi)].fill(0.0)
-
-    @cute.jit
-    def _split_w(self, w: cute.Tensor, row_scale: cute.Tensor, frag_b: cute.Tensor, gi):
-        """B fragments of chunk `gi`'s six steps: x = w * s (exact), hi = fp16(x),
-        -lo = fp16(hi - x), -hi = fp16(-x); steps -hi j0, -hi j1, -lo j0, -lo j1, hi j0,
-        hi j1 (split.py's side "b")."""
         for nb in cutlass.range_constexpr(self.n_blocks):
             for j in cutlass.range_constexpr(2):
-                x = w[(None, j, nb, gi)].load() * row_scale[nb]
+                w = cute.make_rmem_tensor((4,), cutlass.Float32)
+                cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+                x = w.load() * row_scale[nb]
                 hi = x.to(cutlass.Float16)
-                parts = cute.make_rmem_tensor((3, 4), cutlass.Float16)
-                parts[(0, None)].store((-x).to(cutlass.Float16))
-                parts[(1, None)].store((hi.to(cutlass.Float32) - x).to(cutlass.Float16))
-                parts[(2, None)].store(hi)
+                parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
+                parts[(None, 0)].store((-x).to(cutlass.Float16))
+                parts[(None, 1)].store((hi.to(cutlass.Float32) - x).to(cutlass.Float16))
+                parts[(None, 2)].store(hi)
                 for p in cutlass.range_constexpr(3):
                     for v in cutlass.range_constexpr(4):
-                        frag_b[(v, nb, 2 * p + j)] = parts[(p, v)]
+                        frag_b[(v, nb, 2 * p + j)] = parts[(v, p)]
 
     @cute.jit
-    def _load_a(self, mA: cute.Tensor, frag_a: cute.Tensor, c, m_total, lane):
-        """A fragments of chunk c's six steps: rows g and g + 8 of each m16 tile, values
-        4t..4t+3 of the step's 16-wide block into slots (2t, 2t+1, 2t+8, 2t+9); rows past M
-        are zeros."""
+    def _load_a(self, s_a: cute.Tensor, frag_a: cute.Tensor, slot, stage, m_total, lane):
+        """A fragments of the chunk in `slot`'s six steps: rows g and g + 8 of each m16
+        tile, values 4t..4t+3 of the step's 16-wide block into slots (2t, 2t+1, 2t+8, 2t+9);
+        rows past M are zeros."""
         g, t = lane // 4, lane % 4
+        s_a4 = cute.make_tensor(s_a.iterator, cute.make_layout(
+            (4, 24, self.slots, self.m_rows, self.stages),
+            stride=(1, 4, 96, self.a_pitch, self.m_rows * self.a_pitch)))
         for mt in cutlass.range_constexpr(self.m_tiles):
             for s in cutlass.range_constexpr(STEPS):
                 for h in cutlass.range_constexpr(2):  # rows g, g + 8
                     m = mt * 16 + g + 8 * h
                     vals = cute.make_rmem_tensor((4,), cutlass.Float16)
-                    if m < m_total:
-                        cute.autovec_copy(mA[(m, c, s // 2, s % 2, t, None)], vals)
+                    if cutlass.const_expr(mt * 16 + 8 * h < self.m_rows):
+                        if m < m_total:
+                            cute.autovec_copy(s_a4[(None, 4 * s + t, slot, m, stage)], vals)
+                        else:
+                            vals.fill(0.0)
                     else:
                         vals.fill(0.0)
                     frag_a[(2 * h, mt, s)] = vals[0]
@@ -253,9 +317,11 @@ class SplitGemvFp32:
         for mt in cutlass.range_constexpr(self.m_tiles):
             for nb in cutlass.range_constexpr(self.n_blocks):
                 for v in cutlass.range_constexpr(4):
-                    m = mt * 16 + g + 8 * (v // 2)
-                    if m < m_total:
-                        s_parts[(buf, slot, m, nb * 8 + 2 * t + v % 2)] = chunk[(v, mt, nb)]
+                    if cutlass.const_expr(mt * 16 + 8 * (v // 2) < self.m_rows):
+                        m = mt * 16 + g + 8 * (v // 2)
+                        if m < m_total:
+                            s_parts[(buf, slot, m, nb * 8 + 2 * t + v % 2)] = \
+                                chunk[(v, mt, nb)]
 
 
 def _rn(op: str):
