@@ -32,9 +32,9 @@ DECODE_M = (1, 2, 4, 8, 16, 32, 64)
 DECODE_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 1280), (5120, 5120),
              (3584, 18944), (18944, 3584), (2048, 8192), (8192, 8192), (1024, 4096),
              (4096, 1024), (7168, 2048)]
-# (n_blocks, group, stages, CTAs per SM) of the sweep; X's rows follow M.
-SWEEP = [(1, 2, 4, 2), (1, 2, 3, 2), (1, 4, 2, 2), (1, 1, 6, 2), (1, 2, 2, 3), (2, 2, 3, 1),
-         (2, 1, 4, 2), (2, 2, 2, 2)]
+# (rows, group, stages, CTAs per SM) of the sweep; X's rows follow M.
+SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 4, 2, 2), (8, 1, 6, 2), (8, 2, 2, 3), (8, 2, 3, 1),
+         (16, 2, 2, 2), (4, 2, 4, 2)]
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
@@ -44,13 +44,13 @@ def split_path(s):
         return dg.linear(s[0], s[1])
 
 
-def forced(m, n, nb, group, stages, per_sm, sms):
+def forced(m, n, rows, group, stages, per_sm, sms):
     if m > split_decode.MAX_M:
         return None
     m_rows = split_decode.m_rows_for(m)
-    if split_decode.smem_bytes(m_rows, nb, group, stages) * per_sm > split_decode.SMEM_LIMIT:
+    if split_decode.smem_bytes(m_rows, rows, group, stages) * per_sm > split_decode.SMEM_LIMIT:
         return None
-    shape = (m_rows, nb, group, stages, min(-(-n // (8 * nb)), per_sm * sms))
+    shape = (m_rows, rows, group, stages, min(-(-n // rows), per_sm * sms))
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
@@ -61,10 +61,10 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
     if sweep:
-        for nb, group, stages, per_sm in SWEEP:
-            fn = forced(m, n, nb, group, stages, per_sm, sms)
+        for rows, group, stages, per_sm in SWEEP:
+            fn = forced(m, n, rows, group, stages, per_sm, sms)
             if fn is not None:
-                units[f"fused_nb{nb}_g{group}_s{stages}_c{per_sm}"] = fn
+                units[f"fused_r{rows}_g{group}_s{stages}_c{per_sm}"] = fn
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
     ref = split_path(sets[0]).view(torch.int32)
@@ -102,7 +102,7 @@ def report(rows, meta) -> list[str]:
              f"detgemm vs SGEMM: geomean {_geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
-             "| M | K | N | detgemm fp32 | launch (X rows, n_blocks, group, stages, CTAs) | split path "
+             "| M | K | N | detgemm fp32 | launch (X rows, W rows, group, stages, CTAs) | split path "
              "| SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

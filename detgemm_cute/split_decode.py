@@ -2,8 +2,10 @@
 
 At small M the split path (`split.scaled_operand_cuda` on W, then the chunked GEMM) spends
 most of its time writing W's three fp16 parts and reading them back: 160 MB of traffic for a
-64 MB fp32 W. `SplitGemvFp32` reads W as fp32 (twice: the second read, right after the
-first, is served by L2) and splits it in registers; the bits are the split path's.
+64 MB fp32 W. `SplitGemvFp32` reads W as fp32 and splits it in registers, with the split
+path's bits. Each CTA reads its block of W twice (the row maxima that set the scales, then
+the chunks); at K = 4096 the second read is served by L2 (ncu on an H100: 67 MB of DRAM reads
+for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB).
 
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
 1 <= M <= 32, K a positive multiple of 32, the weight K-contiguous with 16-byte-aligned rows
@@ -74,32 +76,31 @@ def m_rows_for(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def smem_bytes(m_rows: int, n_blocks: int, group: int, stages: int) -> int:
+def smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
     """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and X's parts, the
     chunk exchange, the row scales."""
     slots = _WARPS * group
-    w = stages * 8 * n_blocks * (slots * 32 + 16) * 4
+    w = stages * rows * (slots * 32 + 16) * 4
     a = stages * m_rows * (slots * 96 + 16) * 2
-    return w + a + 2 * slots * m_rows * 8 * n_blocks * 4 + 2 * 8 * n_blocks * 4 + 3 * 128
+    return w + a + 2 * slots * m_rows * rows * 4 + 2 * max(8, rows) * 4 + 4 * 128
 
 
 def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(m_rows, n_blocks, group, stages, ctas): X's rows (`m_rows_for`); n8 blocks of W
-    rows per CTA (two when N gives every CTA of the grid a block: X's parts are then shared
-    by more rows); chunks per warp and round; as many cp.async stages (3..4) as two CTAs per
-    SM leave room for; a persistent grid of `CTAS_PER_SM` CTAs per SM
+    """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); 8 rows of W per block
+    (one n8 block: measured faster than 2, 4 or 16 rows at every K, although fewer rows
+    would keep more of the blocks that CTAs read twice in L2); chunks per warp and round; as many cp.async stages (2..4) as two CTAs
+    per SM leave room for; a persistent grid of `CTAS_PER_SM` CTAs per SM when they fit
     (`bench/bench_fp32_decode.py --sweep` measured the choices)."""
     m_rows = m_rows_for(m)
-    n_blocks = 2 if n >= 16 * CTAS_PER_SM * sms and m_rows <= 16 else 1
-    group = 2
-    stages = 4
-    while stages > 2 and smem_bytes(m_rows, n_blocks, group, stages) > _SMEM_BYTES:
+    group, stages = 2, 4
+    while stages > 2 and smem_bytes(m_rows, 8, group, stages) > _SMEM_BYTES:
         stages -= 1
-    while group > 1 and smem_bytes(m_rows, n_blocks, group, stages) > _SMEM_BYTES:
+    while group > 1 and smem_bytes(m_rows, 8, group, stages) > _SMEM_BYTES:
         group //= 2
-    per_sm = CTAS_PER_SM if smem_bytes(m_rows, n_blocks, group, stages) <= _SMEM_BYTES else 1
-    blocks = -(-n // (8 * n_blocks))
-    return m_rows, n_blocks, group, stages, min(blocks, per_sm * sms)
+    per_sm = CTAS_PER_SM if smem_bytes(m_rows, 8, group, stages) <= _SMEM_BYTES else 1
+    rows = 8
+    blocks = -(-n // rows)
+    return m_rows, rows, group, stages, min(blocks, per_sm * sms)
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
@@ -114,26 +115,26 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    m_rows, n_blocks, group, stages, ctas = shape or launch_shape(m, n, k, _sms(a.device))
+    m_rows, rows, group, stages, ctas = shape or launch_shape(m, n, k, _sms(a.device))
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
     ld = b_nk.stride(0) if n > 1 else k
     w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     parts = a2.view(m, chunks, 3, 2, 4, 4)
-    fn = _kernel(m_rows, n_blocks, group, stages, bias is not None, a.device)
-    fn(w, w_bits, parts, sa.reciprocal(), y, bias, ctas)
+    fn = _kernel(m_rows, rows, group, stages, bias is not None, a.device)
+    fn(w, w_bits, parts, sa, y, bias, ctas)
     return y
 
 
-def _kernel(m_rows, n_blocks, group, stages, has_bias, device):
+def _kernel(m_rows, rows, group, stages, has_bias, device):
     arch = split.helper_arch(device)
-    key = ("gemv", m_rows, n_blocks, group, stages, has_bias, arch)
-    return split.compiled_once(key, lambda: compile_kernel(m_rows, n_blocks, group, stages,
+    key = ("gemv", m_rows, rows, group, stages, has_bias, arch)
+    return split.compiled_once(key, lambda: compile_kernel(m_rows, rows, group, stages,
                                                            has_bias, arch))
 
 
-def compile_kernel(m_rows: int, n_blocks: int, group: int, stages: int, has_bias: bool,
+def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
                    arch: str, extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
@@ -150,12 +151,12 @@ def compile_kernel(m_rows: int, n_blocks: int, group: int, stages: int, has_bias
                         strides=(W_NEED.strides[0], 4, needs.UNIT))
     parts = needs.fake(cutlass.Float16, (m, chunks, 3, 2, 4, 4), needs.SPLIT_PARTS,
                        strides=(needs.SPLIT_PARTS.strides[0], 96, 32, 16, 4, needs.UNIT))
-    inv = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
+    scales = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
     y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
     bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(SplitGemvFp32(m_rows, n_blocks, group, stages, has_bias), w, w_bits, parts,
-                        inv, y, bias, cutlass.Int32(1), stream,
+    return cute.compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias), w, w_bits, parts,
+                        scales, y, bias, cutlass.Int32(1), stream,
                         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
 
 

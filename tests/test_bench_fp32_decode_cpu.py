@@ -19,23 +19,23 @@ def test_sweep_shapes_fit_or_are_skipped(bd):
     from detgemm_cute import split_decode
 
     for m in bd.DECODE_M:
-        for nb, group, stages, per_sm in bd.SWEEP:
-            fn = bd.forced(m, 4096, nb, group, stages, per_sm, 132)
+        for rows, group, stages, per_sm in bd.SWEEP:
+            fn = bd.forced(m, 4096, rows, group, stages, per_sm, 132)
             if m > split_decode.MAX_M:
                 assert fn is None
                 continue
-            smem = split_decode.smem_bytes(split_decode.m_rows_for(m), nb, group, stages)
+            smem = split_decode.smem_bytes(split_decode.m_rows_for(m), rows, group, stages)
             assert (fn is None) == (smem * per_sm > split_decode.SMEM_LIMIT)
 
 
 def test_report_renders(bd):
     us = {"detgemm_fp32": 30.0, "split_path": 140.0, "cublas_sgemm": 28.0, "read_w": 24.0,
-          "fused_nb1_g2_s4_c2": 29.5, "fused_nb2_g2_s3_c1": None}
-    rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "launch_shape": [1, 1, 2, 4, 264],
+          "fused_r8_g2_s4_c2": 29.5, "fused_r4_g2_s3_c1": None}
+    rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "launch_shape": [1, 8, 2, 4, 264],
              "us": us, "bits_equal_split_path": {"detgemm_fp32": True}}]
     lines = bd.report(rows, {"device": "TEST GPU"})
     row = lines[-1]
-    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | (1, 1, 2, 4, 264) | 140.0 | 28.0 | 24.0 |")
-    assert "| 0.93 | 0.20 |" in row and row.endswith("fused_nb1_g2_s4_c2 29.5 |")
+    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | (1, 8, 2, 4, 264) | 140.0 | 28.0 | 24.0 |")
+    assert "| 0.93 | 0.20 |" in row and row.endswith("fused_r8_g2_s4_c2 29.5 |")
     assert any("geomean 0.93x over 1 problems" in line and "0 below 0.8x" in line
                for line in lines)

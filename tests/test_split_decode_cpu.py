@@ -46,27 +46,28 @@ def test_old_gpus_keep_the_split_path(monkeypatch):
 @pytest.mark.parametrize("n,k", [(1, 32), (100, 4096), (1280, 8192), (4096, 4096),
                                  (14336, 4096), (151936, 896)])
 def test_launch_shape_arithmetic(m, n, k):
-    m_rows, n_blocks, group, stages, ctas = split_decode.launch_shape(m, n, k, 132)
+    m_rows, rows, group, stages, ctas = split_decode.launch_shape(m, n, k, 132)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
     assert m_rows in (1, 2, 4, 8, 16, 32)
-    assert n_blocks in (1, 2) and group in (1, 2, 4) and 2 <= stages <= 4
-    smem = split_decode.smem_bytes(m_rows, n_blocks, group, stages)
+    assert rows == 8 and group in (1, 2, 4) and 2 <= stages <= 4
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages)
     per_sm = 2 if smem <= split_decode._SMEM_BYTES else 1
     assert smem * per_sm <= split_decode.SMEM_LIMIT and smem <= 160 * 1024  # fits an A100 too
-    assert 1 <= ctas <= min(-(-n // (8 * n_blocks)), per_sm * 132)
+    assert 1 <= ctas <= min(-(-n // rows), per_sm * 132)
 
 
 def test_kernel_rejects_shapes_it_has_no_code_for():
     from detgemm_cute.kernels.split_gemv import SplitGemvFp32
 
-    for bad in [(0, 1, 1, 2), (5, 1, 1, 2), (64, 1, 1, 2), (1, 3, 1, 2), (1, 1, 8, 2), (1, 1, 1, 1)]:
+    for bad in [(0, 8, 1, 2), (5, 8, 1, 2), (64, 8, 1, 2), (1, 3, 1, 2), (1, 8, 8, 2),
+                (1, 8, 1, 1)]:
         with pytest.raises(ValueError, match="SplitGemvFp32"):
             SplitGemvFp32(*bad, False)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("shape", [(1, 1, 2, 4, True), (16, 2, 1, 2, False),
-                                   (32, 1, 1, 2, True)])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 4, True), (16, 16, 1, 2, False),
+                                   (32, 8, 1, 2, True), (4, 2, 2, 3, False)])
 def test_compiled_code(arch, shape, tmp_path):
     fn = split_decode.compile_kernel(*shape, arch, f"--keep-ptx --dump-dir={tmp_path}")
     ptx = fn.__ptx__ or ""

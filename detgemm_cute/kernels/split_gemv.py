@@ -5,33 +5,37 @@ the split path (`split.py`: `scaled_operand_cuda` on both operands, the chunked 
 `split.unscale`), but W is read as fp32 and split in registers: its three fp16 parts are
 never written to memory and read back. X's parts (M rows, small) come from the split kernel.
 
-Pipeline (one CTA of 8 warps per block of BN = 8 * NB rows of W, persistent over blocks):
+Pipeline (one CTA of 8 warps per block of `rows` rows of W, persistent over blocks; a
+round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
 
-1. Row scales: the CTA streams its BN rows (16-byte loads, `_LOADS` in flight per thread),
+1. The cp.async ring: stages - 1 rounds of the block's W rows and of X's parts are copied
+   into shared memory (16-byte cp.async, threads in memory order) before anything else.
+2. Row scales: the CTA streams its rows (16-byte loads, `_LOADS` in flight per thread),
    takes the integer maximum of |x|'s bits per row (a NaN dominates, as in
    `SplitFp16Parts`), and writes the row scale 2^(13 - floor(log2 max|x|)) (clamped to
-   [2^-126, 2^127]) and its reciprocal to shared memory.
-2. Chunks: in round r warp w takes the G consecutive chunks (32 values of K each) starting
-   at (r * 8 + w) * G. The block's rows were just read in step 1, so these loads hit L2; the
-   next round's are issued before this round computes. Per chunk and n8 block of rows each
-   thread scales and splits its 8 values into the B fragments of the chunk's six
-   ``m16n8k16`` steps (side "b": -hi j0, -hi j1, -lo j0, -lo j1, hi j0, hi j1), loads X's
+   [2^-126, 2^127]) and its reciprocal to shared memory. The copies of step 1 and of the
+   rounds below read the lines this pass brought into L2: W comes from DRAM once.
+3. Rounds: wait for round r's stage and refill the oldest with round r + stages - 1; warp
+   w takes the G chunks starting at (r * 8 + w) * G. Per chunk and n8 block of rows each
+   thread scales and splits its 8 values of W into the B fragments of the chunk's six
+   ``m16n8k16`` steps (side "b": -hi j0, -hi j1, -lo j0, -lo j1, hi j0, hi j1), reads X's
    parts as the A fragments, and runs the six steps onto a fragment that starts at +0.0:
    the chunk, exactly as the chunked GEMM kernels compute it.
-3. Ordered adds: each warp writes its chunks to shared memory; after a barrier, the thread
+4. Ordered adds: each warp writes its chunks to shared memory; after a barrier, the thread
    that owns an output adds the round's chunks to its fp32 accumulator one IEEE add at a
    time, in ascending chunk order (the chunked chain: acc = ((+0.0 + c0) + c1) + ...).
-4. Epilogue: ``(acc * (1/s_x[m])) * (1/s_w[n])`` (`split.unscale`), plus bias[n] in fp32,
+5. Epilogue: ``(acc * (1/s_x[m])) * (1/s_w[n])`` (`split.unscale`; the reciprocals of
+   powers of two are built from exponent bits, exact), plus bias[n] in fp32,
    stored as fp32 (the caller rounds to another output dtype, as the split path does).
 
 Inside a 16-wide K block the chain adds 16 exact products at once (the block sum does not
 depend on their order: docs/reference.md), so a thread's four values of a block are the
-consecutive K indices 4t..4t+3 (one 16-byte load of W, one 8-byte load of X's parts) placed
+consecutive K indices 4t..4t+3 (one 16-byte read of W, one 8-byte read of X's parts) placed
 in the fragment slots 2t, 2t+1, 2t+8, 2t+9 of both A and B: the same 16 products per block.
 
 Inputs: W fp32 [N, chunks, 2, 4, 4] and its int32 view [N, chunks * 8, 4] (rows 16-byte
 aligned, K a multiple of 32); X's parts fp16 [M, chunks, 3, 2, 4, 4] (side "a": -lo, -hi,
-hi per chunk); 1/s_x fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
+hi per chunk); X's row scales s_x fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
 """
 
 from __future__ import annotations
@@ -52,20 +56,22 @@ _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 
 
 class SplitGemvFp32:
-    """One CTA per block of ``8 * n_blocks`` rows of W (persistent: the launch's grid may be
-    smaller than the block count), ``m_rows`` rows of X at most (a power of two up to 32: the
+    """One CTA per block of ``rows`` rows of W (2, 4, 8 or 16; persistent: the launch's grid
+    may be smaller than the block count; fewer rows keep the blocks that all CTAs hold
+    between their two reads inside L2 at long K), ``m_rows`` rows of X at most (a power of two up to 32: the
     m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per
     warp and round, ``stages`` rounds in the cp.async ring, optional fp32 bias."""
 
-    def __init__(self, m_rows: int, n_blocks: int, group: int, stages: int, has_bias: bool):
-        if (m_rows not in (1, 2, 4, 8, 16, 32) or n_blocks not in (1, 2, 4)
+    def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool):
+        if (m_rows not in (1, 2, 4, 8, 16, 32) or rows not in (2, 4, 8, 16)
                 or group not in (1, 2, 4) or not 2 <= stages <= 6):
-            raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32), n_blocks "
-                             f"and group in (1, 2, 4), stages 2..6; got {m_rows}, {n_blocks}, "
-                             f"{group}, {stages}")
+            raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32), rows in "
+                             f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6; got {m_rows}, "
+                             f"{rows}, {group}, {stages}")
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
-        self.n_blocks, self.group, self.stages = n_blocks, group, stages
-        self.bn = 8 * n_blocks
+        self.rows, self.group, self.stages = rows, group, stages
+        self.bn = max(8, rows)  # the MMA's N extent: n8 blocks, rows past `rows` unused
+        self.n_blocks = self.bn // 8
         self.has_bias = has_bias
         self.slots = WARPS * group  # chunks per round
         # Shared-memory row pitches, padded so that a warp's fragment reads hit distinct
@@ -73,16 +79,16 @@ class SplitGemvFp32:
         # fp16 (four rows' 8-byte reads fill 128 bytes).
         self.w_pitch = self.slots * 32 + 16
         self.a_pitch = self.slots * 96 + 16
-        self.outs = m_rows * self.bn  # outputs of a block (rows below m_rows)
+        self.outs = m_rows * rows  # outputs of a block (rows of X below m_rows)
         self.per_thread = -(-self.outs // THREADS)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
-                 mSxInv: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
+                 mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
                  ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
-        w_floats = self.stages * self.bn * self.w_pitch
+        w_floats = self.stages * self.rows * self.w_pitch
         a_halves = self.stages * self.m_rows * self.a_pitch
 
         @cute.struct
@@ -93,14 +99,15 @@ class SplitGemvFp32:
                 cute.struct.MemRange[cutlass.Float32, 2 * self.slots * self.outs], 16]
             scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
             inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
+            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS], 16]
 
         self.shared_storage = SharedStorage
-        self.kernel(mW, mWbits, mA, mSxInv, mY, mBias, tiled_mma).launch(
+        self.kernel(mW, mWbits, mA, mSx, mY, mBias, tiled_mma).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
-               mSxInv: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
+               mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -110,23 +117,25 @@ class SplitGemvFp32:
         n_total = cute.size(mW, mode=[0])
         chunks = cute.size(mW, mode=[1])
         m_total = cute.size(mA, mode=[0])
-        blocks = (n_total + bn - 1) // bn
+        rows = self.rows
+        blocks = (n_total + rows - 1) // rows
         rounds = (chunks + self.slots - 1) // self.slots
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # W: [stage][row][chunk slot][32] (pitch w_pitch per row); X's parts: [stage][row]
         # [chunk slot][96] (pitch a_pitch); chunk values: [buffer][slot][row][col].
         s_w = storage.w.get_tensor(cute.make_layout(
-            (4, 8, self.slots, bn, stages),
-            stride=(1, 4, 32, self.w_pitch, bn * self.w_pitch)))
+            (4, 8, self.slots, rows, stages),
+            stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
         s_a = storage.a.get_tensor(cute.make_layout(
             (8, 12, self.slots, self.m_rows, stages),
             stride=(1, 8, 96, self.a_pitch, self.m_rows * self.a_pitch)))
         s_parts = storage.parts.get_tensor(
-            cute.make_layout((2, self.slots, self.m_rows, bn),
-                             stride=(self.slots * self.outs, self.outs, bn, 1)))
+            cute.make_layout((2, self.slots, self.m_rows, rows),
+                             stride=(self.slots * self.outs, self.outs, rows, 1)))
         s_scale = storage.scale.get_tensor(cute.make_layout(bn))
         s_inv = storage.inv.get_tensor(cute.make_layout(bn))
+        s_tops = storage.tops.get_tensor(cute.make_layout(WARPS))
         g2s_w = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
             cutlass.Float32, num_bits_per_copy=128)
@@ -143,19 +152,26 @@ class SplitGemvFp32:
         chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * self.m_tiles, bn)))
         acc = cute.make_rmem_tensor((self.per_thread,), cutlass.Float32)
         row_scale = cute.make_rmem_tensor((nb_n,), cutlass.Float32)
+        per_row = THREADS // rows
+        w_row, sub = tidx // per_row, tidx % per_row
+        quads = cute.size(mWbits, mode=[1])
 
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
-            n0 = blk * bn
+            n0 = blk * rows
             # The first rounds' copies go out before the row maxima: they read the same lines.
             for s in cutlass.range_constexpr(stages - 1):
                 if s < rounds:
                     self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
                                      m_total, s, s, tidx)
                 cute.arch.cp_async_commit_group()
-            self._row_scales(mWbits, s_scale, s_inv, n0, n_total, tidx)
+            # Pass 1 (the copies above read the same lines), then the scales in smem.
+            top = self._row_max(mWbits, n0 + w_row, n_total, sub, per_row, quads)
+            self._write_scale(top, s_scale, s_inv, s_tops, tidx)
             cute.arch.sync_threads()
             for nb in cutlass.range_constexpr(nb_n):
-                row_scale[nb] = s_scale[nb * 8 + lane // 4]
+                row_scale[nb] = cutlass.Float32(1.0)
+                if nb * 8 + lane // 4 < rows:
+                    row_scale[nb] = s_scale[nb * 8 + lane // 4]
             acc.fill(0.0)
             for r in cutlass.range(rounds, unroll=1):
                 # Round r has landed (at most stages-2 newer groups in flight), and every
@@ -182,13 +198,13 @@ class SplitGemvFp32:
                 in_round = chunks - r * self.slots
                 for i in cutlass.range_constexpr(self.per_thread):
                     o = tidx + i * THREADS
-                    m = o // bn
+                    m = o // rows
                     if m < m_total:
                         # Independent loads, then the adds in ascending chunk order.
                         vals = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
                         for sl in cutlass.range_constexpr(self.slots):
                             if sl < in_round:
-                                vals[sl] = s_parts[(buf, sl, m, o % bn)]
+                                vals[sl] = s_parts[(buf, sl, m, o % rows)]
                         total = acc[i]
                         for sl in cutlass.range_constexpr(self.slots):
                             if sl < in_round:
@@ -196,10 +212,10 @@ class SplitGemvFp32:
                         acc[i] = total
             for i in cutlass.range_constexpr(self.per_thread):
                 o = tidx + i * THREADS
-                m, n = o // bn, n0 + o % bn
+                m, n = o // rows, n0 + o % rows
                 if m < m_total and n < n_total:
                     # Explicit rounding: no contraction into an FMA (split.unscale's bits).
-                    y = mul_rn(mul_rn(acc[i], mSxInv[m]), s_inv[o % bn])
+                    y = mul_rn(mul_rn(acc[i], _reciprocal(mSx[m])), s_inv[o % rows])
                     if cutlass.const_expr(self.has_bias):
                         y = add_rn(y, mBias[n])
                     mY[(m, n)] = y
@@ -212,7 +228,7 @@ class SplitGemvFp32:
         """cp.async round r's W rows and X's parts (16-byte vectors, threads in memory
         order) into `stage`; nothing past N, M or the last chunk (never read)."""
         c0 = r * self.slots
-        w_vecs = self.bn * self.slots * 8
+        w_vecs = self.rows * self.slots * 8
         for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
             u = tidx + i * THREADS
             v, rest = u % 8, u // 8
@@ -229,13 +245,9 @@ class SplitGemvFp32:
                 cute.copy(g2s_a, mA8[(row, c0 + sl, v, None)], s_a[(None, v, sl, row, stage)])
 
     @cute.jit
-    def _row_scales(self, mWbits: cute.Tensor, s_scale: cute.Tensor, s_inv: cute.Tensor,
-                    n0, n_total, tidx):
-        """Pass 1: the scale of each row of the block and its reciprocal, into smem."""
-        per_row = THREADS // self.bn
-        row, sub = tidx // per_row, tidx % per_row
-        n = n0 + row
-        quads = cute.size(mWbits, mode=[1])
+    def _row_max(self, mWbits: cute.Tensor, n, n_total, sub, per_row, quads):
+        """This thread's part of row n's maximum of |x| bits: `_LOADS` 16-byte loads in
+        flight per iteration (zero past N)."""
         top = cutlass.Int32(0)
         if n < n_total:
             for q0 in cutlass.range(sub, quads, per_row * _LOADS, unroll=1):
@@ -249,8 +261,26 @@ class SplitGemvFp32:
                 for u in cutlass.range_constexpr(_LOADS):
                     for i in cutlass.range_constexpr(4):
                         top = cutlass.max(top, bits[(i, u)] & _SIGN_OFF)
+        return top
+
+    @cute.jit
+    def _write_scale(self, top, s_scale: cute.Tensor, s_inv: cute.Tensor, s_tops: cute.Tensor,
+                     tidx):
+        """Reduce the row maxima of the block's THREADS / rows threads per row (one warp or
+        part of one, else several warps meeting in smem) and write each row's scale
+        2^(13 - floor(log2 max|x|)), clamped to [2^-126, 2^127], and its reciprocal (exact)
+        to smem. Every thread calls it (a barrier inside when rows < 8)."""
+        per_row = THREADS // self.rows
+        row, sub = tidx // per_row, tidx % per_row
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b),
-                                       threads_in_group=per_row)
+                                       threads_in_group=min(per_row, 32))
+        if cutlass.const_expr(per_row > 32):
+            if tidx % 32 == 0:
+                s_tops[tidx // 32] = top
+            cute.arch.sync_threads()
+            if sub == 0:
+                for w in cutlass.range_constexpr(1, per_row // 32):
+                    top = cutlass.max(top, s_tops[tidx // 32 + w])
         if sub == 0:
             e = cutlass.min(cutlass.max(_TOP_EXP + 254 - (top >> 23), 1), 254)
             inv_bits = cutlass.select_(e <= 253, (254 - e) << 23, cutlass.Int32(1 << 22))
@@ -272,7 +302,12 @@ class SplitGemvFp32:
         for nb in cutlass.range_constexpr(self.n_blocks):
             for j in cutlass.range_constexpr(2):
                 w = cute.make_rmem_tensor((4,), cutlass.Float32)
-                cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+                if cutlass.const_expr(self.rows >= 8):
+                    cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+                else:  # rows past the block's are zeros (their outputs are not stored)
+                    w.fill(0.0)
+                    if g < self.rows:
+                        cute.autovec_copy(s_w[(None, 4 * j + t, slot, g, stage)], w)
                 x = w.load() * row_scale[nb]
                 hi = x.to(cutlass.Float16)
                 parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
@@ -319,9 +354,21 @@ class SplitGemvFp32:
                 for v in cutlass.range_constexpr(4):
                     if cutlass.const_expr(mt * 16 + 8 * (v // 2) < self.m_rows):
                         m = mt * 16 + g + 8 * (v // 2)
-                        if m < m_total:
-                            s_parts[(buf, slot, m, nb * 8 + 2 * t + v % 2)] = \
-                                chunk[(v, mt, nb)]
+                        col = nb * 8 + 2 * t + v % 2
+                        if m < m_total and col < self.rows:
+                            s_parts[(buf, slot, m, col)] = chunk[(v, mt, nb)]
+
+
+@cute.jit
+def _reciprocal(scale):
+    """1 / scale for a power of two in [2^-126, 2^127] (`split.row_scales`), exactly: the
+    exponent field mirrored, and 2^-127 as the subnormal it is."""
+    e = cute.make_rmem_tensor((1,), cutlass.Float32)
+    e[0] = scale
+    bits = cute.recast_tensor(e, cutlass.Int32)
+    x = bits[0] >> 23
+    bits[0] = cutlass.select_(x <= 253, (254 - x) << 23, cutlass.Int32(1 << 22))
+    return e[0]
 
 
 def _rn(op: str):

@@ -84,7 +84,7 @@ class SplitFp16Parts:
         units = cute.size(mX, mode=[1]) * quads
         mXi = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=cutlass.Int32), mX.layout)
         top = cutlass.Int32(0)
-        for u in cutlass.range(tidx, units, _THREADS, unroll=1):
+        for u in cutlass.range(tidx, units, _THREADS, unroll=4):
             bits = cute.make_rmem_tensor((_VEC,), cutlass.Int32)
             cute.autovec_copy(mXi[(r, u // quads, u % quads, None)], bits)
             for i in cutlass.range_constexpr(_VEC):
@@ -108,7 +108,7 @@ class SplitFp16Parts:
         scale = scale_f[0]
         if tidx == 0:
             mS[r] = scale
-        for u in cutlass.range(tidx, units, _THREADS, unroll=1):
+        for u in cutlass.range(tidx, units, _THREADS, unroll=4):
             j, q = u // quads, u % quads
             self._write_parts(mO, r, j, q, _load_quad(mX, r, j, q) * scale)
 
