@@ -53,12 +53,31 @@ def fused(on: bool):
         _ON = prev
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def covers(op: str, m: int, k: int) -> bool:
+    """Whether a problem's shape is one the fused path serves (fwd or dX, 1 <= M <= MAX_M,
+    K a positive multiple of 32): `applies` adds the operands' layout and the GPU."""
+    return op != "dw" and 0 < m <= MAX_M and k > 0 and k % split.BLOCK_K == 0
+
+
 def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
     """Whether this fp32 "ieee" call runs on the fused kernel (see the module docstring)."""
     m, k = a.shape
-    return (_ON and acc is None and op != "dw" and 0 < m <= MAX_M and k > 0
-            and k % split.BLOCK_K == 0 and W_NEED.meets(b_nk)
+    return (_ON and acc is None and covers(op, m, k) and W_NEED.meets(b_nk)
             and _capability(a.device) >= (8, 0))
+
+
+def explain_note(op: str, dtype: str, m: int, k: int) -> str | None:
+    """The line `detgemm-cute explain` adds where the fused path, not the bucket, serves an
+    fp32 problem (None elsewhere)."""
+    if dtype != "fp32" or not covers(op, m, k):
+        return None
+    return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
+            "this call runs split_decode's kernel (W split inside the GEMM, "
+            "kernels/split_gemv.py; the same bits), not the bucket above; precision "
+            f'"tf32", force_bucket or {ENV}=0 run the bucket')
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +142,11 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     parts = a2.view(m, chunks, 3, 2, 4, 4)
     fn = _kernel(m_rows, rows, group, stages, bias is not None, a.device)
-    fn(w, w_bits, parts, sa, y, bias, ctas)
+    if a.device.index != _current_device():  # kernels launch on the current device
+        with torch.cuda.device(a.device):
+            fn(w, w_bits, parts, sa, y, bias, ctas)
+    else:
+        fn(w, w_bits, parts, sa, y, bias, ctas)
     return y
 
 
@@ -160,4 +183,4 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
                         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
 
 
-__all__ = ["fused", "applies", "decode_gemm", "launch_shape", "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]
+__all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape", "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]

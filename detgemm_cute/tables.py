@@ -103,6 +103,10 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, configs=()) 
     """Which bucket serves (op, dtype, arch, M, N, K) with `configs` layered on top, and why."""
     from . import dispatch
 
+    from .split_decode import explain_note
+
     files = [reg.load_config(p, arch=arch, origin="--config") for p in configs]
     r = reg.build_registry(arch, _env_files(arch) + files)
-    return str(dispatch.explain(op, dtype, arch, m, n, k, registry=r))
+    text = str(dispatch.explain(op, dtype, arch, m, n, k, registry=r))
+    note = explain_note(op, dispatch.dtype_name(dtype), m, k)
+    return text if note is None else f"{text}\n{note}"

@@ -79,3 +79,14 @@ def test_compiled_code(arch, shape, tmp_path):
     assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
     assert ("add.rn.f32" in ops) == shape[4]  # the bias add
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
+def test_explain_names_the_fused_path_where_it_serves():
+    from detgemm_cute import tables
+
+    text = tables.explain("fwd", "fp32", "sm90", 1, 4096, 4096)
+    assert "fused:" in text and "split_gemv" in text and split_decode.ENV in text
+    assert "fused:" in tables.explain("dx", "torch.float32", "sm90", 32, 4096, 4096)
+    for op, dtype, m, k in [("fwd", "fp32", 33, 4096), ("dw", "fp32", 1, 4096),
+                            ("fwd", "bf16", 1, 4096), ("fwd", "fp32", 1, 100)]:
+        assert "fused:" not in tables.explain(op, dtype, "sm90", m, 4096, k)
