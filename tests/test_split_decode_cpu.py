@@ -90,3 +90,34 @@ def test_explain_names_the_fused_path_where_it_serves():
     for op, dtype, m, k in [("fwd", "fp32", 33, 4096), ("dw", "fp32", 1, 4096),
                             ("fwd", "bf16", 1, 4096), ("fwd", "fp32", 1, 100)]:
         assert "fused:" not in tables.explain(op, dtype, "sm90", m, 4096, k)
+
+
+def test_the_chain_does_not_see_the_order_inside_a_16_wide_block():
+    """The fused kernel places a thread's consecutive values 4t..4t+3 in the fragment slots
+    2t, 2t+1, 2t+8, 2t+9 of both operands: a permutation inside each 16-wide K block. The
+    reference chain (the hardware's model) must give the same bits for any such
+    permutation, on the fp32 tier's split operands and on 16-bit ones."""
+    from detgemm_cute import reference, split
+
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 3, 5, 96
+    # The kernel's map, value 4t + v of a block -> slot: v 0, 1 -> 2t, 2t+1; v 2, 3 -> 2t+8, 2t+9.
+    to_slot = torch.tensor([2 * (i // 4) + i % 2 + 8 * (i % 4 // 2) for i in range(16)])
+    assert sorted(to_slot.tolist()) == list(range(16))
+    perm = torch.cat([to_slot + 16 * b for b in range(k // 16)])
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-20, 21, (m, k), generator=g))
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-20, 21, (n, k), generator=g))
+    with split.fp32_precision("ieee"):
+        want = reference.chain(x, w.t(), op="fwd")
+        got = reference.chain(x[:, perm], w[:, perm].t(), op="fwd")
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    want = reference.chain(xb, wb.t(), op="fwd")
+    got = reference.chain(xb[:, perm], wb[:, perm].t(), op="fwd")
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    # ...while moving values across blocks does change them (the check can fail).
+    cross = torch.arange(k).roll(5)
+    with split.fp32_precision("ieee"):
+        moved = reference.chain(x[:, cross], w[:, cross].t(), op="fwd")
+        want = reference.chain(x, w.t(), op="fwd")
+    assert not torch.equal(want.view(torch.int32), moved.view(torch.int32))
