@@ -102,14 +102,16 @@ def report(rows, meta) -> list[str]:
              f"detgemm vs SGEMM: geomean {_geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
-             "| M | K | N | detgemm fp32 | launch (X rows, W rows, group, stages, CTAs) | split path "
-             "| SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
+             "| M | K | N | detgemm fp32 | launch (X rows, W rows, group, stages, CTAs) "
+             "| split path | SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
         forced_us = {nm: v for nm, v in us.items() if nm.startswith("fused_") and v}
         best = min(forced_us, key=forced_us.get) if forced_us else None
-        ratio = lambda t: "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"  # noqa: E731,E501
+        def ratio(t, us=us):
+            return "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"
+
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(us['detgemm_fp32'])} | "
                      f"{tuple(r['launch_shape']) if r['fused'] else 'split path'} | "
                      f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "

@@ -107,9 +107,10 @@ def smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
 def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); 8 rows of W per block
     (one n8 block: measured faster than 2, 4 or 16 rows at every K, although fewer rows
-    would keep more of the blocks that CTAs read twice in L2); chunks per warp and round; as many cp.async stages (2..4) as two CTAs
-    per SM leave room for; a persistent grid of `CTAS_PER_SM` CTAs per SM when they fit
-    (`bench/bench_fp32_decode.py --sweep` measured the choices)."""
+    would keep more of the blocks that CTAs read twice in L2); chunks per warp and round;
+    as many cp.async stages (2..4) as two CTAs per SM leave room for; a persistent grid of
+    `CTAS_PER_SM` CTAs per SM when they fit (`bench/bench_fp32_decode.py --sweep` measured
+    the choices)."""
     m_rows = m_rows_for(m)
     group, stages = 2, 4
     while stages > 2 and smem_bytes(m_rows, 8, group, stages) > _SMEM_BYTES:
@@ -183,4 +184,5 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
                         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
 
 
-__all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape", "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]
+__all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
+           "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]

@@ -57,10 +57,11 @@ _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 
 class SplitGemvFp32:
     """One CTA per block of ``rows`` rows of W (2, 4, 8 or 16; persistent: the launch's grid
-    may be smaller than the block count; fewer rows keep the blocks that all CTAs hold
-    between their two reads inside L2 at long K), ``m_rows`` rows of X at most (a power of two up to 32: the
-    m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per
-    warp and round, ``stages`` rounds in the cp.async ring, optional fp32 bias."""
+    may be smaller than the block count), ``m_rows`` rows of X at most (a power of two up to
+    32: the m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per warp and
+    round, ``stages`` rounds in the cp.async ring, optional fp32 bias. (`split_decode`
+    launches 8 rows: fewer rows, which would keep more of the twice-read blocks in L2 at long
+    K, measured slower on the H100.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool):
         if (m_rows not in (1, 2, 4, 8, 16, 32) or rows not in (2, 4, 8, 16)
