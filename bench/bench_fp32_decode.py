@@ -24,6 +24,7 @@ import detgemm_cute as dg
 from detgemm_cute import split_decode
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.fmt import device_slug, json_default
+from detgemm_cute.benchlib.stats import geomean
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
 from bench_fp32 import sgemm
 
@@ -82,13 +83,6 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     return row
 
 
-def _geomean(vals):
-    import math
-
-    vals = [v for v in vals if v]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
-
-
 def report(rows, meta) -> list[str]:
     f = lambda v: "-" if not v else f"{v:.1f}"  # noqa: E731
     speed = [r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] for r in rows
@@ -99,7 +93,7 @@ def report(rows, meta) -> list[str]:
     lines = [f"# fp32 \"ieee\" at decode sizes ({meta['device']})", "",
              f"torch {torch.__version__}; CUDA-graph medians, us; one run. `read W`: one read of "
              "the fp32 weight (its row maxima), the floor of any kernel that reads it.", "",
-             f"detgemm vs SGEMM: geomean {_geomean(speed) or 0:.2f}x over {len(speed)} "
+             f"detgemm vs SGEMM: geomean {geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
              "| M | K | N | detgemm fp32 | launch (X rows, W rows, group, stages, CTAs) "

@@ -425,7 +425,7 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
         if acc is not None:
             return acc
     elif _forced.name is None and split_decode.applies(a, b_nk, acc, op):  # W split in-GEMM
-        y, bias = split_decode.decode_gemm(a, b_nk, bias), None
+        y, bias = launch_on(a.device, split_decode.decode_gemm, a, b_nk, bias), None
     else:
         (a2, sa), (b2, sb) = (split.scaled_operand_cuda(a, "a"),
                               split.scaled_operand_cuda(b_nk, "b"))
@@ -487,14 +487,13 @@ def checked_gemm(a, b, b_form, bias, out_dtype, op_name, names, op="fwd"):
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-def launch_on(device: torch.device, fn, *args) -> None:
+def launch_on(device: torch.device, fn, *args):
     """fn(*args) with `device` the current CUDA device (kernels launch on the current one)."""
     dev = device.index
     if dev is not None and dev != _current_device():
         with torch.cuda.device(dev):
-            fn(*args)
-    else:
-        fn(*args)
+            return fn(*args)
+    return fn(*args)
 
 
 registry.on_change(_plans.clear)

@@ -53,9 +53,6 @@ def fused(on: bool):
         _ON = prev
 
 
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
 def covers(op: str, m: int, k: int) -> bool:
     """Whether a problem's shape is one the fused path serves (fwd or dX, 1 <= M <= MAX_M,
     K a positive multiple of 32): `applies` adds the operands' layout and the GPU."""
@@ -104,6 +101,7 @@ def smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
     return w + a + 2 * slots * m_rows * rows * 4 + 2 * max(8, rows) * 4 + 4 * 128
 
 
+@functools.lru_cache(maxsize=4096)
 def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); 8 rows of W per block
     (one n8 block: measured faster than 2, 4 or 16 rows at every K, although fewer rows
@@ -143,11 +141,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     parts = a2.view(m, chunks, 3, 2, 4, 4)
     fn = _kernel(m_rows, rows, group, stages, bias is not None, a.device)
-    if a.device.index != _current_device():  # kernels launch on the current device
-        with torch.cuda.device(a.device):
-            fn(w, w_bits, parts, sa, y, bias, ctas)
-    else:
-        fn(w, w_bits, parts, sa, y, bias, ctas)
+    fn(w, w_bits, parts, sa, y, bias, ctas)  # on the current device (`gemm.launch_on`)
     return y
 
 

@@ -102,7 +102,6 @@ def audit(arch: str | None, configs, out, err) -> int:
 def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, configs=()) -> str:
     """Which bucket serves (op, dtype, arch, M, N, K) with `configs` layered on top, and why."""
     from . import dispatch
-
     from .split_decode import explain_note
 
     files = [reg.load_config(p, arch=arch, origin="--config") for p in configs]

@@ -121,3 +121,34 @@ def test_the_chain_does_not_see_the_order_inside_a_16_wide_block():
         moved = reference.chain(x[:, cross], w[:, cross].t(), op="fwd")
         want = reference.chain(x, w.t(), op="fwd")
     assert not torch.equal(want.view(torch.int32), moved.view(torch.int32))
+
+
+def test_gemm_routes_few_row_fp32_calls_to_the_fused_path(monkeypatch):
+    """`gemm._gemm_fp32` hands an applicable call (and its bias) to `decode_gemm` through
+    `launch_on`, rounds its fp32 result to the output dtype once, and leaves a
+    `force_bucket` call to the table."""
+    from detgemm_cute import gemm
+
+    calls = []
+
+    def fake_decode(a, b_nk, bias):
+        calls.append((a, b_nk, bias))
+        return torch.full((a.shape[0], b_nk.shape[0]), 1.5)
+
+    monkeypatch.setattr(split_decode, "applies", lambda a, b_nk, acc, op: True)
+    monkeypatch.setattr(split_decode, "decode_gemm", fake_decode)
+    x, w, bias = torch.randn(2, 64), torch.randn(3, 64), torch.randn(3)
+    y = gemm._gemm_fp32(x, w, "nk", bias, torch.bfloat16, "fwd", None, None)
+    assert calls[0][0] is x and calls[0][1] is w and calls[0][2] is bias
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.full((2, 3), 1.5,
+                                                                   dtype=torch.bfloat16))
+    y = gemm._gemm_fp32(x, w.t(), "kn", None, torch.float32, "dx", None, None)
+    assert calls[1][1].shape == (3, 64) and calls[1][2] is None and y.dtype == torch.float32
+
+    def table(*args, **kwargs):
+        raise RuntimeError("the table's kernels")
+
+    monkeypatch.setattr(gemm.split, "scaled_operand_cuda", table)
+    with gemm.force_bucket("any"), pytest.raises(RuntimeError, match="table's kernels"):
+        gemm._gemm_fp32(x, w, "nk", None, torch.float32, "fwd", None, None)
+    assert len(calls) == 2
