@@ -4,12 +4,15 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 - `detgemm_fp32`: `dg.linear` as it runs (M <= 64: the fused path, `split_decode`);
 - `split_path`: the same call with the fused path off (split both operands to memory, the
   chunked GEMM over 3x K, unscale): what it replaces;
-- `fused_*` (``--sweep``): the fused kernel at each launch shape `SWEEP` lists, forced;
+- `stream` / `cluster`: the two fused kernels at their default shapes, forced
+  (`SplitGemvFp32`, `ClusterGemvFp32` on sm_90), whichever the path picks;
+- `fused_*` / `cluster_*` (``--sweep``): the kernels at each shape `SWEEP` and
+  `CLUSTER_BUDGETS` give, forced;
 - `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
   floor of any kernel that reads the fp32 weight.
 Bits: every detgemm unit against `split_path` on the first input set.
 
-    python bench/bench_fp32_decode.py --out $OUT [--sweep] [--max-seconds 300]
+    python bench/bench_fp32_decode.py --out $OUT [--sweep [cluster|stream]] [--max-seconds 300]
 """
 
 import argparse
@@ -35,9 +38,14 @@ DECODE_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 1280), (5120, 51
              (4096, 1024), (7168, 2048)]
 # (rows, group, stages, CTAs per SM) of the sweep; X's rows follow M.
 SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 4, 2, 2), (8, 1, 6, 2), (8, 2, 2, 3), (8, 2, 3, 1),
-         (16, 2, 2, 2), (4, 2, 4, 2)]
+         (16, 2, 2, 2), (16, 1, 2, 1), (4, 2, 4, 2)]
+# Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
+CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
+
+
+FORCED = ("fused_", "cluster", "stream")  # units that force one kernel and shape
 
 
 def split_path(s):
@@ -55,30 +63,51 @@ def forced(m, n, rows, group, stages, per_sm, sms):
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
+def forced_cluster(m, k, budget=split_decode.CLUSTER_CTA_BYTES):
+    if m > split_decode.MAX_M or torch.cuda.get_device_capability() < (9, 0):
+        return None, None
+    shape = split_decode.cluster_shape(m, k, budget)
+    if shape is None:
+        return None, None
+    return shape, lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
+
+
 def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     sets = [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
             for _ in range(min(8, n_sets_for(4 * (m + n) * k, l2, PLAN)))]
     units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]), "split_path": split_path,
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
-    if sweep:
+    stream_shape = split_decode.launch_shape(m, n, k, sms)
+    if m <= split_decode.MAX_M:
+        units["stream"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, stream_shape)
+        units["cluster"] = forced_cluster(m, k)[1]
+    if sweep in ("all", "cluster"):
+        for budget in CLUSTER_BUDGETS:
+            shape, fn = forced_cluster(m, k, budget)
+            if fn is not None:
+                units[f"cluster_{'_'.join(map(str, shape[1:]))}"] = fn
+    if sweep in ("all", "stream"):
         for rows, group, stages, per_sm in SWEEP:
             fn = forced(m, n, rows, group, stages, per_sm, sms)
             if fn is not None:
                 units[f"fused_r{rows}_g{group}_s{stages}_c{per_sm}"] = fn
+    units = {nm: fn for nm, fn in units.items() if fn is not None}
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
     ref = split_path(sets[0]).view(torch.int32)
     same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref)
-            for nm in units if nm == "detgemm_fp32" or nm.startswith("fused_")}
-    row = {"M": m, "K": k, "N": n, "fused": split_decode.applies(sets[0][0], sets[0][1],
-                                                                  None, "fwd"),
-           "launch_shape": split_decode.launch_shape(m, n, k, sms), "us": us,
+            for nm in units if nm not in ("split_path", "cublas_sgemm", "read_w")}
+    on_cluster = split_decode.uses_cluster(m, k, torch.cuda.get_device_capability())
+    row = {"M": m, "K": k, "N": n, "cluster": on_cluster,
+           "fused": split_decode.applies(sets[0][0], sets[0][1], None, "fwd"),
+           "launch_shape": split_decode.cluster_shape(m, k) if on_cluster
+           else stream_shape, "us": us,
            "bits_equal_split_path": same,
            "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
     gpu.log(f"{m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}); "
             f"sgemm {us['cublas_sgemm']}; read W {us['read_w']}; bits {same}; "
-            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith("fused_")))
+            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith(FORCED)))
     del sets
     return row
 
@@ -96,22 +125,31 @@ def report(rows, meta) -> list[str]:
              f"detgemm vs SGEMM: geomean {geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
-             "| M | K | N | detgemm fp32 | launch (X rows, W rows, group, stages, CTAs) "
-             "| split path | SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | K | N | detgemm fp32 | launch: cluster (X rows, CTAs, cap, groups) or stream "
+             "(X rows, W rows, group, stages, CTAs) "
+             "| stream | cluster | split path | SGEMM | read W | vs SGEMM | split path vs SGEMM "
+             "| best forced |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
-        forced_us = {nm: v for nm, v in us.items() if nm.startswith("fused_") and v}
+        forced_us = {nm: v for nm, v in us.items() if nm.startswith(FORCED) and v}
         best = min(forced_us, key=forced_us.get) if forced_us else None
         def ratio(t, us=us):
             return "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"
 
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(us['detgemm_fp32'])} | "
-                     f"{tuple(r['launch_shape']) if r['fused'] else 'split path'} | "
+                     f"{_launch(r)} | {f(us.get('stream'))} | {f(us.get('cluster'))} | "
                      f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
                      f"{ratio(us['detgemm_fp32'])} | {ratio(us['split_path'])} | "
                      f"{best or '-'} {f(forced_us.get(best))} |")
     return lines
+
+
+def _launch(r) -> str:
+    if not r["fused"]:
+        return "split path"
+    shape = tuple(r["launch_shape"])
+    return f"{'cluster' if r.get('cluster') else 'stream'} {shape}"
 
 
 def main() -> int:
@@ -119,7 +157,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
     ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
-    ap.add_argument("--sweep", action="store_true", help="also time the forced launch shapes")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "cluster", "stream"],
+                    help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()
     err, _ = gpu.gpu_check()

@@ -5,15 +5,19 @@ most of its time writing W's three fp16 parts and reading them back: 160 MB of t
 64 MB fp32 W. `SplitGemvFp32` reads W as fp32 and splits it in registers, with the split
 path's bits. Each CTA reads its block of W twice (the row maxima that set the scales, then
 the chunks); at K = 4096 the second read is served by L2 (ncu on an H100: 67 MB of DRAM reads
-for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB).
+for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB). On sm_90, one row of X at
+K >= 8192 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8 CTAs
+splits each block's K range and keeps it in shared memory, the row maxima meet in
+distributed shared memory, and W is read once (ncu: 69 MB of DRAM reads for a 64 MB W).
 
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
 1 <= M <= 32, K a positive multiple of 32, the weight K-contiguous with 16-byte-aligned rows
 and base (`tensor_needs.SPLIT_ROWS`), a GPU from sm_80 up. ``DETGEMM_CUTE_FP32_DECODE=0``
 (read at import) turns it off.
 
-The launch shape is plain arithmetic (`launch_shape`): rows of W per CTA, chunks per warp
-and round, and a persistent grid of two CTAs per SM at most.
+The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
+and round, a persistent grid of two CTAs per SM at most) and `cluster_shape` (CTAs per
+cluster and chunks per CTA from a byte target).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +39,14 @@ CTAS_PER_SM = 2
 _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
 _SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
 SMEM_LIMIT = 227 * 1024  # one CTA's most (sm_90; sm_80 has 163 KiB: `launch_shape` stays below)
+# Where sm_90 runs `ClusterGemvFp32` (bench_fp32_decode on an H100): one row of X and K from
+# 8192 up, where `SplitGemvFp32`'s second read of a block misses L2. Below that K, and at
+# M >= 2, the streaming kernel is as fast or faster.
+CLUSTER_M = 1
+CLUSTER_MIN_K = 8192
+CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
+CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
+CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
 
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
@@ -66,14 +79,17 @@ def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
             and _capability(a.device) >= (8, 0))
 
 
-def explain_note(op: str, dtype: str, m: int, k: int) -> str | None:
+def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90") -> str | None:
     """The line `detgemm-cute explain` adds where the fused path, not the bucket, serves an
-    fp32 problem (None elsewhere)."""
+    fp32 problem (None elsewhere); `arch` is the table's ("sm90", "sm80")."""
     if dtype != "fp32" or not covers(op, m, k):
         return None
+    cluster = arch == "sm90" and uses_cluster(m, k, (9, 0))
+    kernel = (f"kernels/cluster_gemv.py, clusters of {cluster_shape(m, k).cluster} CTAs"
+              if cluster else "kernels/split_gemv.py")
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
-            "this call runs split_decode's kernel (W split inside the GEMM, "
-            "kernels/split_gemv.py; the same bits), not the bucket above; precision "
+            f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
+            "the same bits), not the bucket above; precision "
             f'"tf32", force_bucket or {ENV}=0 run the bucket')
 
 
@@ -121,11 +137,53 @@ def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, 
     return m_rows, rows, group, stages, min(blocks, per_sm * sms)
 
 
+class ClusterShape(NamedTuple):
+    """A launch of `ClusterGemvFp32`: X's rows, CTAs per cluster, chunks per CTA, cp.async
+    commit groups per CTA."""
+    m_rows: int
+    cluster: int
+    cap: int
+    groups: int
+
+
+def cluster_smem_bytes(m_rows: int, cluster: int, cap: int) -> int:
+    """Shared memory of one CTA of `ClusterGemvFp32`: its slice of 8 W rows and of X's parts,
+    the chunk values of the outputs it owns, the cluster's row maxima."""
+    w = CLUSTER_ROWS * (cap * 32 + 16) * 4
+    a = m_rows * (cap * 96 + 16) * 2
+    owned = -(-m_rows * CLUSTER_ROWS // cluster)
+    return w + a + cluster * cap * owned * 4 + CLUSTER_ROWS * cluster * 4 + 4 * 128
+
+
+@functools.lru_cache(maxsize=4096)
+def cluster_shape(m: int, k: int, budget: int = CLUSTER_CTA_BYTES) -> ClusterShape | None:
+    """The `ClusterGemvFp32` launch for an M x K problem, or None where a cluster of 8
+    cannot hold a block: as many CTAs (up to 8) as bring each one's chunks (W's 8 rows, X's
+    parts and the chunk values) near `budget` bytes; cap = the chunks per CTA rounded up to
+    a multiple of 8 (and the cluster shrunk to what that cap needs); four cp.async groups
+    along K where cap allows."""
+    chunks, m_rows = k // split.BLOCK_K, m_rows_for(m)
+    per_chunk = CLUSTER_ROWS * 128 + m_rows * 192 + m_rows * CLUSTER_ROWS * 4
+    cluster = min(CLUSTER_MAX, -(-chunks // max(8, budget // per_chunk)))
+    cap = -(-(-(-chunks // cluster)) // 8) * 8
+    cluster = -(-chunks // cap)  # no CTA left without chunks after the rounding
+    if cluster_smem_bytes(m_rows, cluster, cap) > SMEM_LIMIT:
+        return None
+    return ClusterShape(m_rows, cluster, cap, 4 if cap >= 32 else 2 if cap >= 16 else 1)
+
+
+def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
+    """Whether the fused path runs `ClusterGemvFp32` (sm_90 up, M <= CLUSTER_M,
+    K >= CLUSTER_MIN_K, a block fits a cluster) rather than `SplitGemvFp32`."""
+    return (capability >= (9, 0) and m <= CLUSTER_M and k >= CLUSTER_MIN_K
+            and cluster_shape(m, k) is not None)
+
+
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
-                shape: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
-    bias in fp32 (not yet rounded to another output dtype). `shape` overrides
-    `launch_shape` (benchmarks)."""
+    bias in fp32 (not yet rounded to another output dtype). `shape` forces a kernel
+    (benchmarks, tests): a `ClusterShape`, or a `launch_shape` tuple."""
     m, k = a.shape
     n = b_nk.shape[0]
     a2, sa = split.scaled_operand_cuda(a, "a")
@@ -133,34 +191,38 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    m_rows, rows, group, stages, ctas = shape or launch_shape(m, n, k, _sms(a.device))
+    if shape is None:
+        shape = (cluster_shape(m, k) if uses_cluster(m, k, _capability(a.device))
+                 else launch_shape(m, n, k, _sms(a.device)))
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
     ld = b_nk.stride(0) if n > 1 else k
     w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
-    w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     parts = a2.view(m, chunks, 3, 2, 4, 4)
-    fn = _kernel(m_rows, rows, group, stages, bias is not None, a.device)
-    fn(w, w_bits, parts, sa, y, bias, ctas)  # on the current device (`gemm.launch_on`)
+    arch = split.helper_arch(a.device)
+    # On the current device (`gemm.launch_on`).
+    if isinstance(shape, ClusterShape):
+        if chunks > shape.cluster * shape.cap:
+            raise ValueError(f"decode_gemm: {shape} holds {shape.cluster * shape.cap} "
+                             f"chunks, K = {k} has {chunks}")
+        key = ("cluster_gemv", *shape, bias is not None, arch)
+        fn = split.compiled_once(key, lambda: compile_cluster_kernel(*shape, bias is not None,
+                                                                     arch))
+        fn(w, parts, sa, y, bias)
+    else:
+        m_rows, rows, group, stages, ctas = shape
+        w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+        key = ("gemv", m_rows, rows, group, stages, bias is not None, arch)
+        fn = split.compiled_once(key, lambda: compile_kernel(m_rows, rows, group, stages,
+                                                             bias is not None, arch))
+        fn(w, w_bits, parts, sa, y, bias, ctas)
     return y
 
 
-def _kernel(m_rows, rows, group, stages, has_bias, device):
-    arch = split.helper_arch(device)
-    key = ("gemv", m_rows, rows, group, stages, has_bias, arch)
-    return split.compiled_once(key, lambda: compile_kernel(m_rows, rows, group, stages,
-                                                           has_bias, arch))
-
-
-def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                   arch: str, extra_options: str = ""):
-    """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
-    `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
+def _fake_operands(has_bias: bool):
+    """Fake W, W's int32 view, X's parts, X's scales, Y and bias for `cute.compile`."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
-    from .kernels.split_gemv import SplitGemvFp32
 
     n, m, chunks, quads = (cute.sym_int() for _ in range(4))
     w = needs.fake(cutlass.Float32, (n, chunks, 2, 4, 4), W_NEED,
@@ -172,11 +234,42 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
     scales = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
     y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
     bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
+    return w, w_bits, parts, scales, y, bias
+
+
+def _compile(kernel, args, arch: str, extra_options: str):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias), w, w_bits, parts,
-                        scales, y, bias, cutlass.Int32(1), stream,
+    return cute.compile(kernel, *args, stream,
                         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip())
 
 
+def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
+                   arch: str, extra_options: str = ""):
+    """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
+    `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
+    import cutlass
+
+    from .kernels.split_gemv import SplitGemvFp32
+
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias)
+    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias),
+                    (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
+
+
+def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has_bias: bool,
+                           arch: str, extra_options: str = ""):
+    """The compiled `ClusterGemvFp32` for one cluster shape (sm_90 up; no GPU needed)."""
+    from .kernels.cluster_gemv import ClusterGemvFp32
+
+    w, _, parts, scales, y, bias = _fake_operands(has_bias)
+    return _compile(ClusterGemvFp32(m_rows, cluster, cap, groups, has_bias),
+                    (w, parts, scales, y, bias), arch, extra_options)
+
+
 __all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
-           "m_rows_for", "smem_bytes", "compile_kernel", "MAX_M", "ENV"]
+           "cluster_shape", "ClusterShape", "uses_cluster", "m_rows_for", "smem_bytes",
+           "cluster_smem_bytes", "compile_kernel", "compile_cluster_kernel", "MAX_M",
+           "CLUSTER_M", "CLUSTER_MIN_K", "ENV"]

@@ -30,12 +30,18 @@ def test_sweep_shapes_fit_or_are_skipped(bd):
 
 def test_report_renders(bd):
     us = {"detgemm_fp32": 30.0, "split_path": 140.0, "cublas_sgemm": 28.0, "read_w": 24.0,
-          "fused_r8_g2_s4_c2": 29.5, "fused_r4_g2_s3_c1": None}
-    rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "launch_shape": [1, 8, 2, 4, 264],
-             "us": us, "bits_equal_split_path": {"detgemm_fp32": True}}]
+          "stream": 41.0, "cluster": 30.2, "cluster_3_48_4": 29.5, "fused_r4_g2_s3_c1": None}
+    rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "cluster": True,
+             "launch_shape": [1, 3, 48, 4],
+             "us": us, "bits_equal_split_path": {"detgemm_fp32": True}},
+            {"M": 16, "K": 4096, "N": 4096, "fused": True, "launch_shape": [16, 8, 1, 2, 264],
+             "us": dict(us, cluster=None), "bits_equal_split_path": {"detgemm_fp32": True}}]
     lines = bd.report(rows, {"device": "TEST GPU"})
-    row = lines[-1]
-    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | (1, 8, 2, 4, 264) | 140.0 | 28.0 | 24.0 |")
-    assert "| 0.93 | 0.20 |" in row and row.endswith("fused_r8_g2_s4_c2 29.5 |")
-    assert any("geomean 0.93x over 1 problems" in line and "0 below 0.8x" in line
+    row = lines[-2]
+    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | cluster (1, 3, 48, 4) | 41.0 | 30.2 | "
+                          "140.0 | 28.0 | 24.0 |")
+    assert "| 0.93 | 0.20 |" in row and row.endswith("cluster_3_48_4 29.5 |")
+    assert lines[-1].startswith("| 16 | 4096 | 4096 | 30.0 | stream (16, 8, 1, 2, 264) | 41.0 | "
+                                "- |")
+    assert any("geomean 0.93x over 2 problems" in line and "0 below 0.8x" in line
                for line in lines)

@@ -1,4 +1,5 @@
-"""The fp32 tier's fused path for few rows (`split_decode`, kernels/split_gemv.py) on the GPU.
+"""The fp32 tier's fused path for few rows (`split_decode`: kernels/split_gemv.py, and
+kernels/cluster_gemv.py on sm_90) on the GPU.
 
 It must give the bits of the split path it replaces (W split to memory, the chunked GEMM,
 unscale) and of the CPU reference, at every M it serves and for every launch shape, and a
@@ -74,6 +75,30 @@ def test_every_launch_shape_same_bits(m):
                     assert same_bits(y, want), (rows, group, stages, ctas)
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="clusters: sm_90")
+@pytest.mark.parametrize("m", [1, 3, 8, 29])
+def test_every_cluster_shape_same_bits(m):
+    """Cluster sizes 1..8, caps that leave the last CTAs partial or empty, 1/2/4 commit
+    groups, a partial last block of W rows, with and without bias."""
+    g = torch.Generator(device=DEV).manual_seed(100 + m)
+    n, k = 603, 32 * 71
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    want, want_nb = split_path(x, w, bias), split_path(x, w)
+    m_rows, ran = split_decode.m_rows_for(m), 0
+    for i, (cluster, cap) in enumerate([(1, 72), (2, 40), (3, 24), (5, 16), (8, 16), (8, 32),
+                                        (7, 16)]):
+        if split_decode.cluster_smem_bytes(m_rows, cluster, cap) > split_decode.SMEM_LIMIT:
+            continue
+        shape = split_decode.ClusterShape(m_rows, cluster, cap, (4, 2, 1)[i % 3])
+        poison()
+        if i % 2:
+            assert same_bits(split_decode.decode_gemm(x, w, bias, shape), want), shape
+        else:
+            assert same_bits(split_decode.decode_gemm(x, w, None, shape), want_nb), shape
+        ran += 1
+    assert ran >= 4
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 72, 160), (19, 24, 96)])
 def test_matches_cpu_reference(m, n, k):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
@@ -83,9 +108,10 @@ def test_matches_cpu_reference(m, n, k):
     assert same_bits(y.cpu(), want)
 
 
-def test_special_values_match_the_split_path():
+@pytest.mark.parametrize("m", [9, 4])  # the streaming kernel, the cluster kernel on sm_90
+def test_special_values_match_the_split_path(m):
     g = torch.Generator(device=DEV).manual_seed(11)
-    m, n, k = 9, 64, 256
+    n, k = 64, 256
     x, w = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True)
     w[0].zero_()  # a row of zeros (scale 2^127)
     w[1] = -0.0

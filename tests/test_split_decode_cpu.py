@@ -81,11 +81,63 @@ def test_compiled_code(arch, shape, tmp_path):
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 32])
+@pytest.mark.parametrize("k", [32, 96, 1024, 3584, 4096, 5120, 7168, 14336, 18944, 28672])
+def test_cluster_shape_holds_the_block(m, k):
+    chunks = k // 32
+    shape = split_decode.cluster_shape(m, k)
+    if shape is None:  # a cluster of 8 cannot hold the block: the streaming kernel serves
+        cap = -(-chunks // (8 * split_decode.CLUSTER_MAX)) * 8
+        assert split_decode.cluster_smem_bytes(split_decode.m_rows_for(m), 8, cap) > \
+            split_decode.SMEM_LIMIT
+        assert not split_decode.uses_cluster(m, k, (9, 0))
+        return
+    m_rows, cluster, cap, groups = shape
+    assert m_rows == split_decode.m_rows_for(m)
+    assert 1 <= cluster <= split_decode.CLUSTER_MAX and cap % 8 == 0
+    assert cluster * cap >= chunks > (cluster - 1) * cap  # every CTA holds some chunks
+    assert split_decode.cluster_smem_bytes(m_rows, cluster, cap) <= split_decode.SMEM_LIMIT
+    assert groups in (1, 2, 4) and -(-cap // groups) >= 8
+    assert split_decode.uses_cluster(m, k, (9, 0)) == (
+        m <= split_decode.CLUSTER_M and k >= split_decode.CLUSTER_MIN_K)
+    assert not split_decode.uses_cluster(m, k, (8, 0))  # clusters need sm_90
+
+
+def test_cluster_kernel_rejects_shapes_it_has_no_code_for():
+    from detgemm_cute.kernels.cluster_gemv import ClusterGemvFp32
+
+    for bad in [(1, 0, 8, 1), (1, 9, 8, 1), (1, 2, 12, 1), (1, 2, 0, 1), (1, 2, 16, 3),
+                (3, 2, 16, 1), (64, 2, 16, 1)]:
+        with pytest.raises(ValueError, match="GemvFp32"):
+            ClusterGemvFp32(*bad, False)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 48, 4, True), (8, 8, 24, 2, False),
+                                   (32, 1, 8, 1, True)])
+def test_cluster_compiled_code(shape, tmp_path):
+    fn = split_decode.compile_cluster_kernel(*shape, "sm_90",
+                                             f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    ops = set(re.findall(r"^\s*([a-z][\w.:]*)", ptx, flags=re.M))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
+    assert "cp.async.cg.shared.global" in ops and "ld.global.v4.b32" not in ops  # read once
+    assert "cvt.rn.f16x2.f32" in ops and "mul.rn.f32" in ops
+    assert ("add.rn.f32" in ops) == shape[4]
+    assert {"barrier.cluster.arrive.relaxed", "barrier.cluster.arrive",
+            "barrier.cluster.wait"} <= ops
+    if shape[1] > 1:  # maxima and chunk values cross the cluster
+        assert "mapa.shared::cluster.u32" in ops and "st.shared::cluster.b32" in ops
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
 def test_explain_names_the_fused_path_where_it_serves():
     from detgemm_cute import tables
 
     text = tables.explain("fwd", "fp32", "sm90", 1, 4096, 4096)
     assert "fused:" in text and "split_gemv" in text and split_decode.ENV in text
+    text = tables.explain("fwd", "fp32", "sm90", 1, 4096, 14336)
+    assert "cluster_gemv.py, clusters of" in text
+    assert "split_gemv" in tables.explain("fwd", "fp32", "sm80", 1, 4096, 14336)
     assert "fused:" in tables.explain("dx", "torch.float32", "sm90", 32, 4096, 4096)
     for op, dtype, m, k in [("fwd", "fp32", 33, 4096), ("dw", "fp32", 1, 4096),
                             ("fwd", "bf16", 1, 4096), ("fwd", "fp32", 1, 100)]:

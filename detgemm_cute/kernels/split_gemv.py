@@ -216,7 +216,7 @@ class SplitGemvFp32:
                 m, n = o // rows, n0 + o % rows
                 if m < m_total and n < n_total:
                     # Explicit rounding: no contraction into an FMA (split.unscale's bits).
-                    y = mul_rn(mul_rn(acc[i], _reciprocal(mSx[m])), s_inv[o % rows])
+                    y = mul_rn(mul_rn(acc[i], reciprocal(mSx[m])), s_inv[o % rows])
                     if cutlass.const_expr(self.has_bias):
                         y = add_rn(y, mBias[n])
                     mY[(m, n)] = y
@@ -283,14 +283,13 @@ class SplitGemvFp32:
                 for w in cutlass.range_constexpr(1, per_row // 32):
                     top = cutlass.max(top, s_tops[tidx // 32 + w])
         if sub == 0:
-            e = cutlass.min(cutlass.max(_TOP_EXP + 254 - (top >> 23), 1), 254)
-            inv_bits = cutlass.select_(e <= 253, (254 - e) << 23, cutlass.Int32(1 << 22))
+            scale_bits, inv_bits = scale_bits_of(top)
             scale_i = cute.make_tensor(cute.recast_ptr(s_scale.iterator, dtype=cutlass.Int32),
                                        s_scale.layout)
             inv_i = cute.make_tensor(cute.recast_ptr(s_inv.iterator, dtype=cutlass.Int32),
                                      s_inv.layout)
-            scale_i[row] = e << 23
-            inv_i[row] = cutlass.Int32(inv_bits)
+            scale_i[row] = scale_bits
+            inv_i[row] = inv_bits
 
     @cute.jit
     def _split_w(self, s_w: cute.Tensor, row_scale: cute.Tensor, frag_b: cute.Tensor, slot,
@@ -361,7 +360,17 @@ class SplitGemvFp32:
 
 
 @cute.jit
-def _reciprocal(scale):
+def scale_bits_of(top):
+    """The bits of a row's scale 2^(13 - floor(log2 max|x|)), clamped to [2^-126, 2^127],
+    and of its reciprocal (exact; 2^-127 as the subnormal it is), from the row's largest
+    |x| as bits (`top`)."""
+    e = cutlass.min(cutlass.max(_TOP_EXP + 254 - (top >> 23), 1), 254)
+    inv_bits = cutlass.select_(e <= 253, (254 - e) << 23, cutlass.Int32(1 << 22))
+    return cutlass.Int32(e << 23), cutlass.Int32(inv_bits)
+
+
+@cute.jit
+def reciprocal(scale):
     """1 / scale for a power of two in [2^-126, 2^127] (`split.row_scales`), exactly: the
     exponent field mirrored, and 2^-127 as the subnormal it is."""
     e = cute.make_rmem_tensor((1,), cutlass.Float32)
