@@ -5,7 +5,8 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 - `split_path`: the same call with the fused path off (split both operands to memory, the
   chunked GEMM over 3x K, unscale): what it replaces;
 - `stream` / `cluster`: the two fused kernels at their default shapes, forced
-  (`SplitGemvFp32`, `ClusterGemvFp32` on sm_90), whichever the path picks;
+  (`SplitGemvFp32`; `ClusterGemvFp32` on sm_90 where M <= CLUSTER_M or with the cluster
+  sweep), whichever the path picks;
 - `fused_*` / `cluster_*` (``--sweep``): the kernels at each shape `SWEEP` and
   `CLUSTER_BUDGETS` give, forced;
 - `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
@@ -78,10 +79,13 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]), "split_path": split_path,
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
-    stream_shape = split_decode.launch_shape(m, n, k, sms)
+    stream_shape = split_decode.launch_shape(m, n, k, sms, split_decode.SMEM_LIMIT
+                                             if torch.cuda.get_device_capability() >= (9, 0)
+                                             else split_decode.SM80_SMEM)
     if m <= split_decode.MAX_M:
         units["stream"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, stream_shape)
-        units["cluster"] = forced_cluster(m, k)[1]
+        if m <= split_decode.CLUSTER_M or sweep in ("all", "cluster"):
+            units["cluster"] = forced_cluster(m, k)[1]
     if sweep in ("all", "cluster"):
         for budget in CLUSTER_BUDGETS:
             shape, fn = forced_cluster(m, k, budget)
@@ -98,11 +102,10 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     ref = split_path(sets[0]).view(torch.int32)
     same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref)
             for nm in units if nm not in ("split_path", "cublas_sgemm", "read_w")}
-    on_cluster = split_decode.uses_cluster(m, k, torch.cuda.get_device_capability())
-    row = {"M": m, "K": k, "N": n, "cluster": on_cluster,
+    shape = split_decode.default_shape(m, n, k, sets[0][0].device)
+    row = {"M": m, "K": k, "N": n, "cluster": isinstance(shape, split_decode.ClusterShape),
            "fused": split_decode.applies(sets[0][0], sets[0][1], None, "fwd"),
-           "launch_shape": split_decode.cluster_shape(m, k) if on_cluster
-           else stream_shape, "us": us,
+           "launch_shape": shape, "us": us,
            "bits_equal_split_path": same,
            "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
     gpu.log(f"{m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}); "

@@ -36,9 +36,11 @@ MAX_M = 32  # above, X's parts read per block of W cost more than W's split save
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
 CTAS_PER_SM = 2
+WIDE_M = 16  # rows of X from which a block of `SplitGemvFp32` takes 16 rows of W
 _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
 _SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
-SMEM_LIMIT = 227 * 1024  # one CTA's most (sm_90; sm_80 has 163 KiB: `launch_shape` stays below)
+SMEM_LIMIT = 227 * 1024  # one CTA's most on sm_90
+SM80_SMEM = 163 * 1024  # one CTA's most on sm_80 (A100)
 # Where sm_90 runs `ClusterGemvFp32` (bench_fp32_decode on an H100): one row of X and K from
 # 8192 up, where `SplitGemvFp32`'s second read of a block misses L2. Below that K, and at
 # M >= 2, the streaming kernel is as fast or faster.
@@ -118,21 +120,29 @@ def smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_shape(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); 8 rows of W per block
-    (one n8 block: measured faster than 2, 4 or 16 rows at every K, although fewer rows
-    would keep more of the blocks that CTAs read twice in L2); chunks per warp and round;
-    as many cp.async stages (2..4) as two CTAs per SM leave room for; a persistent grid of
-    `CTAS_PER_SM` CTAs per SM when they fit (`bench/bench_fp32_decode.py --sweep` measured
-    the choices)."""
+def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
+                 ) -> tuple[int, int, int, int, int]:
+    """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); rows of W per block;
+    chunks per warp and round; cp.async stages; a persistent grid (`bench/bench_fp32_decode.py
+    --sweep stream` measured the choices on an H100):
+
+    - up to 8 rows of X: 8 rows of W (one n8 block: faster than 2, 4 or 16 rows, although
+      fewer rows would keep more of the blocks that CTAs read twice in L2), as many stages
+      (2..4) as two CTAs per SM leave room for, `CTAS_PER_SM` CTAs per SM;
+    - 16 or 32 rows of X: 16 rows of W, one chunk per warp and round, 2 stages, one CTA per
+      SM (X's parts, staged per block of W, cost half as much per row of W: at M = 32
+      4096 x 4096 took 73 us against 97 us with 8 rows), where one CTA's shared memory
+      allows (`smem_limit`: 32 rows of X need 165 KiB, more than sm_80's 163)."""
     m_rows = m_rows_for(m)
-    group, stages = 2, 4
-    while stages > 2 and smem_bytes(m_rows, 8, group, stages) > _SMEM_BYTES:
-        stages -= 1
-    while group > 1 and smem_bytes(m_rows, 8, group, stages) > _SMEM_BYTES:
-        group //= 2
-    per_sm = CTAS_PER_SM if smem_bytes(m_rows, 8, group, stages) <= _SMEM_BYTES else 1
-    rows = 8
+    if m_rows >= WIDE_M and smem_bytes(m_rows, 16, 1, 2) <= smem_limit:
+        rows, group, stages, per_sm = 16, 1, 2, 1
+    else:
+        rows, group, stages = 8, 2, 4
+        while stages > 2 and smem_bytes(m_rows, rows, group, stages) > _SMEM_BYTES:
+            stages -= 1
+        while group > 1 and smem_bytes(m_rows, rows, group, stages) > _SMEM_BYTES:
+            group //= 2
+        per_sm = CTAS_PER_SM if smem_bytes(m_rows, rows, group, stages) <= _SMEM_BYTES else 1
     blocks = -(-n // rows)
     return m_rows, rows, group, stages, min(blocks, per_sm * sms)
 
@@ -179,6 +189,15 @@ def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
             and cluster_shape(m, k) is not None)
 
 
+def default_shape(m: int, n: int, k: int, device: torch.device):
+    """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
+    `ClusterShape` (`uses_cluster`) or a `launch_shape` tuple."""
+    cap = _capability(device)
+    if uses_cluster(m, k, cap):
+        return cluster_shape(m, k)
+    return launch_shape(m, n, k, _sms(device), SMEM_LIMIT if cap >= (9, 0) else SM80_SMEM)
+
+
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
@@ -191,9 +210,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    if shape is None:
-        shape = (cluster_shape(m, k) if uses_cluster(m, k, _capability(a.device))
-                 else launch_shape(m, n, k, _sms(a.device)))
+    shape = shape or default_shape(m, n, k, a.device)
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
     ld = b_nk.stride(0) if n > 1 else k
@@ -270,6 +287,6 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 
 
 __all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
-           "cluster_shape", "ClusterShape", "uses_cluster", "m_rows_for", "smem_bytes",
+           "cluster_shape", "ClusterShape", "uses_cluster", "default_shape", "m_rows_for", "smem_bytes",
            "cluster_smem_bytes", "compile_kernel", "compile_cluster_kernel", "MAX_M",
            "CLUSTER_M", "CLUSTER_MIN_K", "ENV"]

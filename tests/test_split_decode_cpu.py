@@ -45,14 +45,17 @@ def test_old_gpus_keep_the_split_path(monkeypatch):
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 32), (100, 4096), (1280, 8192), (4096, 4096),
                                  (14336, 4096), (151936, 896)])
-def test_launch_shape_arithmetic(m, n, k):
-    m_rows, rows, group, stages, ctas = split_decode.launch_shape(m, n, k, 132)
+@pytest.mark.parametrize("limit", [split_decode.SM80_SMEM, split_decode.SMEM_LIMIT])
+def test_launch_shape_arithmetic(m, n, k, limit):
+    m_rows, rows, group, stages, ctas = split_decode.launch_shape(m, n, k, 132, limit)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
     assert m_rows in (1, 2, 4, 8, 16, 32)
-    assert rows == 8 and group in (1, 2, 4) and 2 <= stages <= 4
+    # 16 rows of W from 16 rows of X, where one CTA's shared memory holds them
+    assert rows == (16 if m_rows >= 16 and (m_rows == 16 or limit > 165 * 1024) else 8)
+    assert group in (1, 2, 4) and 2 <= stages <= 4
     smem = split_decode.smem_bytes(m_rows, rows, group, stages)
-    per_sm = 2 if smem <= split_decode._SMEM_BYTES else 1
-    assert smem * per_sm <= split_decode.SMEM_LIMIT and smem <= 160 * 1024  # fits an A100 too
+    per_sm = 2 if smem <= split_decode._SMEM_BYTES and rows == 8 else 1
+    assert smem * per_sm <= split_decode.SMEM_LIMIT and smem <= limit
     assert 1 <= ctas <= min(-(-n // rows), per_sm * 132)
 
 

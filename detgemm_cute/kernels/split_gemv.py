@@ -60,8 +60,8 @@ class SplitGemvFp32:
     may be smaller than the block count), ``m_rows`` rows of X at most (a power of two up to
     32: the m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per warp and
     round, ``stages`` rounds in the cp.async ring, optional fp32 bias. (`split_decode`
-    launches 8 rows: fewer rows, which would keep more of the twice-read blocks in L2 at long
-    K, measured slower on the H100.)"""
+    launches 8 rows up to 8 rows of X, 16 from 16: fewer rows, which would keep more of the
+    twice-read blocks in L2 at long K, measured slower on the H100.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool):
         if (m_rows not in (1, 2, 4, 8, 16, 32) or rows not in (2, 4, 8, 16)
