@@ -6,7 +6,7 @@ most of its time writing W's three fp16 parts and reading them back: 160 MB of t
 path's bits. Each CTA reads its block of W twice (the row maxima that set the scales, then
 the chunks); at K = 4096 the second read is served by L2 (ncu on an H100: 67 MB of DRAM reads
 for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB). On sm_90, one row of X at
-K >= 8192 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8 CTAs
+K in 8192..16384 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8 CTAs
 splits each block's K range and keeps it in shared memory, the row maxima meet in
 distributed shared memory, and W is read once (ncu: 69 MB of DRAM reads for a 64 MB W).
 
@@ -41,11 +41,14 @@ _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
 _SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
 SMEM_LIMIT = 227 * 1024  # one CTA's most on sm_90
 SM80_SMEM = 163 * 1024  # one CTA's most on sm_80 (A100)
-# Where sm_90 runs `ClusterGemvFp32` (bench_fp32_decode on an H100): one row of X and K from
-# 8192 up, where `SplitGemvFp32`'s second read of a block misses L2. Below that K, and at
-# M >= 2, the streaming kernel is as fast or faster.
+# Where sm_90 runs `ClusterGemvFp32` (bench_fp32_decode on an H100): one row of X and K in
+# 8192..16384, where `SplitGemvFp32`'s second read of a block misses L2. Below that K, and at
+# M >= 2, the streaming kernel is as fast or faster; above it a CTA's slice takes so much
+# shared memory that two CTAs share an SM (K = 18944: 205-208 us against 195 in two of three
+# runs).
 CLUSTER_M = 1
 CLUSTER_MIN_K = 8192
+CLUSTER_MAX_K = 16384
 CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
 CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
 CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
@@ -184,8 +187,8 @@ def cluster_shape(m: int, k: int, budget: int = CLUSTER_CTA_BYTES) -> ClusterSha
 
 def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
     """Whether the fused path runs `ClusterGemvFp32` (sm_90 up, M <= CLUSTER_M,
-    K >= CLUSTER_MIN_K, a block fits a cluster) rather than `SplitGemvFp32`."""
-    return (capability >= (9, 0) and m <= CLUSTER_M and k >= CLUSTER_MIN_K
+    CLUSTER_MIN_K <= K <= CLUSTER_MAX_K) rather than `SplitGemvFp32`."""
+    return (capability >= (9, 0) and m <= CLUSTER_M and CLUSTER_MIN_K <= k <= CLUSTER_MAX_K
             and cluster_shape(m, k) is not None)
 
 
@@ -289,4 +292,4 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 __all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
            "cluster_shape", "ClusterShape", "uses_cluster", "default_shape", "m_rows_for", "smem_bytes",
            "cluster_smem_bytes", "compile_kernel", "compile_cluster_kernel", "MAX_M",
-           "CLUSTER_M", "CLUSTER_MIN_K", "ENV"]
+           "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K", "ENV"]

@@ -102,7 +102,8 @@ def test_cluster_shape_holds_the_block(m, k):
     assert split_decode.cluster_smem_bytes(m_rows, cluster, cap) <= split_decode.SMEM_LIMIT
     assert groups in (1, 2, 4) and -(-cap // groups) >= 8
     assert split_decode.uses_cluster(m, k, (9, 0)) == (
-        m <= split_decode.CLUSTER_M and k >= split_decode.CLUSTER_MIN_K)
+        m <= split_decode.CLUSTER_M
+        and split_decode.CLUSTER_MIN_K <= k <= split_decode.CLUSTER_MAX_K)
     assert not split_decode.uses_cluster(m, k, (8, 0))  # clusters need sm_90
 
 
