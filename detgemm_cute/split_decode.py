@@ -6,9 +6,10 @@ most of its time writing W's three fp16 parts and reading them back: 160 MB of t
 path's bits. Each CTA reads its block of W twice (the row maxima that set the scales, then
 the chunks); at K = 4096 the second read is served by L2 (ncu on an H100: 67 MB of DRAM reads
 for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB). On sm_90, one row of X at
-K in 8192..16384 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8 CTAs
-splits each block's K range and keeps it in shared memory, the row maxima meet in
-distributed shared memory, and W is read once (ncu: 69 MB of DRAM reads for a 64 MB W).
+K in 8192..16384 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8
+CTAs splits each block's K range and keeps it in shared memory, the row maxima meet in
+distributed shared memory, and W is read once (ncu at 4096 x 4096: 69 MB of DRAM reads for
+a 64 MB W, but DRAM at 51% of peak: each CTA loads, then computes, with 4 CTAs per SM).
 
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
 1 <= M <= 32, K a positive multiple of 32, the weight K-contiguous with 16-byte-aligned rows
