@@ -27,8 +27,10 @@ Pipeline (one cluster per block of 8 rows of W; CTA r of the cluster owns the ch
 
 No CTA stores to another before the start-up cluster barrier (`cluster_arrive_relaxed` at
 entry, waited before the first remote store) or after the second barrier. (A persistent
-form, each cluster looping over blocks with a ring of W slices and X's parts kept, measured
-1.5-2.7x slower on the H100: two cluster barriers per block and one block in flight.)
+form, each cluster looping over blocks with a ring of W slices and X's parts kept, took 1.6x
+the time on the H100, geomean over 46 problems at M 1..8 (0.97-3.13x): two cluster barriers
+per block, and too little in flight between them;
+`bench/results/tune/fp32-decode-cluster-persistent_*`.)
 
 Inputs as `SplitGemvFp32`'s: W fp32 [N, chunks, 2, 4, 4] (rows 16-byte aligned), X's parts
 fp16 [M, chunks, 3, 2, 4, 4], s_x fp32 [M], Y fp32 [M, N], bias fp32 [N]; chunks must not
