@@ -120,14 +120,7 @@ class ClusterGemvFp32(SplitGemvFp32):
         w_bits = cute.make_tensor(cute.recast_ptr(s_w.iterator, dtype=cutlass.Int32),
                                   cute.make_layout((4, cap * 8, ROWS),
                                                    stride=(1, 4, self.w_pitch)))
-        g2s_w = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            cutlass.Float32, num_bits_per_copy=128)
-        g2s_a = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            cutlass.Float16, num_bits_per_copy=128)
-        mA8 = cute.make_tensor(mA.iterator, cute.make_layout(
-            (m_total, chunks, 12, 8), stride=(mA.stride[0], 96, 8, 1)))
+        g2s_w, g2s_a, mA8 = self._staging(mA, m_total, chunks)
 
         # 1. The slice, in commit groups along K.
         for gq in cutlass.range_constexpr(self.groups):

@@ -137,15 +137,7 @@ class SplitGemvFp32:
         s_scale = storage.scale.get_tensor(cute.make_layout(bn))
         s_inv = storage.inv.get_tensor(cute.make_layout(bn))
         s_tops = storage.tops.get_tensor(cute.make_layout(WARPS))
-        g2s_w = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            cutlass.Float32, num_bits_per_copy=128)
-        g2s_a = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-            cutlass.Float16, num_bits_per_copy=128)
-        # X's parts as [row, chunk, 12, 8]: 16-byte vectors.
-        mA8 = cute.make_tensor(mA.iterator, cute.make_layout(
-            (m_total, chunks, 12, 8), stride=(mA.stride[0], 96, 8, 1)))
+        g2s_w, g2s_a, mA8 = self._staging(mA, m_total, chunks)
 
         frag_a = tiled_mma.make_fragment_A(
             tiled_mma.partition_shape_A((16 * self.m_tiles, 16 * STEPS)))
@@ -222,6 +214,16 @@ class SplitGemvFp32:
                     mY[(m, n)] = y
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    def _staging(self, mA: cute.Tensor, m_total, chunks):
+        """The cp.async atoms (16 bytes of W's fp32, of X's fp16 parts) and X's parts as
+        [row, chunk, 12, 8]: 16-byte vectors."""
+        atoms = [cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), dtype,
+            num_bits_per_copy=128) for dtype in (cutlass.Float32, cutlass.Float16)]
+        mA8 = cute.make_tensor(mA.iterator, cute.make_layout(
+            (m_total, chunks, 12, 8), stride=(mA.stride[0], 96, 8, 1)))
+        return atoms[0], atoms[1], mA8
 
     @cute.jit
     def _copy_round(self, g2s_w, g2s_a, mW: cute.Tensor, mA8: cute.Tensor, s_w: cute.Tensor,
