@@ -79,9 +79,7 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]), "split_path": split_path,
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
-    stream_shape = split_decode.launch_shape(m, n, k, sms, split_decode.SMEM_LIMIT
-                                             if torch.cuda.get_device_capability() >= (9, 0)
-                                             else split_decode.SM80_SMEM)
+    stream_shape = split_decode.stream_shape(m, n, k, sets[0][0].device)
     if m <= split_decode.MAX_M:
         units["stream"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, stream_shape)
         if m <= split_decode.CLUSTER_M or sweep in ("all", "cluster"):

@@ -193,13 +193,19 @@ def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
             and cluster_shape(m, k) is not None)
 
 
+def stream_shape(m: int, n: int, k: int, device: torch.device):
+    """`launch_shape` for `device` (its SM count and one CTA's shared memory)."""
+    limit = SMEM_LIMIT if _capability(device) >= (9, 0) else SM80_SMEM
+    return launch_shape(m, n, k, _sms(device), limit)
+
+
+@functools.lru_cache(maxsize=4096)
 def default_shape(m: int, n: int, k: int, device: torch.device):
     """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
-    `ClusterShape` (`uses_cluster`) or a `launch_shape` tuple."""
-    cap = _capability(device)
-    if uses_cluster(m, k, cap):
+    `ClusterShape` (`uses_cluster`) or a `launch_shape` tuple (one lookup per call)."""
+    if uses_cluster(m, k, _capability(device)):
         return cluster_shape(m, k)
-    return launch_shape(m, n, k, _sms(device), SMEM_LIMIT if cap >= (9, 0) else SM80_SMEM)
+    return stream_shape(m, n, k, device)
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
@@ -291,6 +297,7 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 
 
 __all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
-           "cluster_shape", "ClusterShape", "uses_cluster", "default_shape", "m_rows_for", "smem_bytes",
-           "cluster_smem_bytes", "compile_kernel", "compile_cluster_kernel", "MAX_M",
-           "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K", "ENV"]
+           "stream_shape", "cluster_shape", "ClusterShape", "uses_cluster", "default_shape",
+           "m_rows_for", "smem_bytes", "cluster_smem_bytes", "compile_kernel",
+           "compile_cluster_kernel", "MAX_M", "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K",
+           "ENV"]

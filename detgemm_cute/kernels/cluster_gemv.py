@@ -46,11 +46,10 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, add_rn, mul_rn, reciprocal,
-                         scale_bits_of)
+from .split_gemv import (SIGN_OFF, STEPS, THREADS, WARPS, SplitGemvFp32, add_rn, mul_rn,
+                         reciprocal, scale_bits_of)
 
 ROWS = 8  # rows of W per cluster: the MMA's n8
-_SIGN_OFF = 0x7FFFFFFF
 
 
 class ClusterGemvFp32(SplitGemvFp32):
@@ -139,7 +138,7 @@ class ClusterGemvFp32(SplitGemvFp32):
                 bits = cute.make_rmem_tensor((4,), cutlass.Int32)
                 cute.autovec_copy(w_bits[(None, v, warp)], bits)
                 for i in cutlass.range_constexpr(4):
-                    top = cutlass.max(top, bits[i] & _SIGN_OFF)
+                    top = cutlass.max(top, bits[i] & SIGN_OFF)
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
         cute.arch.cluster_wait()  # every CTA of the cluster runs: remote stores may start
         if lane < nc:

@@ -47,11 +47,12 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .split_parts import SIGN_OFF
+
 THREADS = 256
 WARPS = THREADS // 32
 STEPS = 6  # 16-wide steps per chunk
 _LOADS = 8  # pass 1: 16-byte loads per thread per iteration
-_SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
 _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 
 
@@ -263,7 +264,7 @@ class SplitGemvFp32:
                         bits[(None, u)].fill(0)
                 for u in cutlass.range_constexpr(_LOADS):
                     for i in cutlass.range_constexpr(4):
-                        top = cutlass.max(top, bits[(i, u)] & _SIGN_OFF)
+                        top = cutlass.max(top, bits[(i, u)] & SIGN_OFF)
         return top
 
     @cute.jit

@@ -53,7 +53,7 @@ def _load_quad(mX: cute.Tensor, r, j, q):
     return xs.load()
 
 
-_SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
+SIGN_OFF = 0x7FFFFFFF  # |x| as bits: an integer maximum orders them, Inf < NaN
 _WARPS = _THREADS // 32
 
 
@@ -88,7 +88,7 @@ class SplitFp16Parts:
             bits = cute.make_rmem_tensor((_VEC,), cutlass.Int32)
             cute.autovec_copy(mXi[(r, u // quads, u % quads, None)], bits)
             for i in cutlass.range_constexpr(_VEC):
-                top = cutlass.max(top, bits[i] & _SIGN_OFF)
+                top = cutlass.max(top, bits[i] & SIGN_OFF)
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
         smem = cutlass.memory.SmemAllocator()
         warp_top = smem.allocate_tensor(cutlass.Int32, cute.make_layout(_WARPS), 4)
