@@ -37,9 +37,12 @@ DECODE_M = (1, 2, 4, 8, 16, 32, 64)
 DECODE_KN = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 1280), (5120, 5120),
              (3584, 18944), (18944, 3584), (2048, 8192), (8192, 8192), (1024, 4096),
              (4096, 1024), (7168, 2048)]
-# (rows, group, stages, CTAs per SM) of the sweep; X's rows follow M.
-SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 4, 2, 2), (8, 1, 6, 2), (8, 2, 2, 3), (8, 2, 3, 1),
-         (16, 2, 2, 2), (16, 1, 2, 1), (4, 2, 4, 2)]
+# (rows, group, stages, CTAs per SM, X staged as fp32) of the sweep; X's rows follow M.
+SWEEP = [(8, 2, 4, 2, False), (8, 2, 3, 2, False), (8, 4, 2, 2, False), (8, 1, 6, 2, False),
+         (8, 2, 2, 3, False), (8, 2, 3, 1, False), (16, 2, 2, 2, False), (16, 1, 2, 1, False),
+         (4, 2, 4, 2, False), (16, 1, 2, 1, True), (16, 1, 3, 1, True), (8, 2, 2, 1, True),
+         (8, 2, 2, 2, True), (8, 1, 2, 1, True), (8, 1, 2, 2, True), (8, 2, 3, 2, True),
+         (8, 2, 4, 2, True)]
 # Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
 CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
@@ -54,13 +57,15 @@ def split_path(s):
         return dg.linear(s[0], s[1])
 
 
-def forced(m, n, rows, group, stages, per_sm, sms):
+def forced(m, n, rows, group, stages, per_sm, sms, x_fp32=False):
     if m > split_decode.MAX_M:
         return None
     m_rows = split_decode.m_rows_for(m)
-    if split_decode.smem_bytes(m_rows, rows, group, stages) * per_sm > split_decode.SMEM_LIMIT:
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32)
+    if smem * per_sm > split_decode.SMEM_LIMIT:
         return None
-    shape = (m_rows, rows, group, stages, min(-(-n // rows), per_sm * sms))
+    shape = split_decode.StreamShape(m_rows, rows, group, stages,
+                                     min(-(-n // rows), per_sm * sms), x_fp32)
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
@@ -90,10 +95,11 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
             if fn is not None:
                 units[f"cluster_{'_'.join(map(str, shape[1:]))}"] = fn
     if sweep in ("all", "stream"):
-        for rows, group, stages, per_sm in SWEEP:
-            fn = forced(m, n, rows, group, stages, per_sm, sms)
+        for rows, group, stages, per_sm, x_fp32 in SWEEP:
+            fn = forced(m, n, rows, group, stages, per_sm, sms, x_fp32)
             if fn is not None:
-                units[f"fused_r{rows}_g{group}_s{stages}_c{per_sm}"] = fn
+                x = "_x" if x_fp32 else ""
+                units[f"fused_r{rows}_g{group}_s{stages}_c{per_sm}{x}"] = fn
     units = {nm: fn for nm, fn in units.items() if fn is not None}
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
@@ -127,7 +133,7 @@ def report(rows, meta) -> list[str]:
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
              "| M | K | N | detgemm fp32 | launch: cluster (X rows, CTAs, cap, groups) or stream "
-             "(X rows, W rows, group, stages, CTAs) "
+             "(X rows, W rows, group, stages, CTAs, X fp32) "
              "| stream | cluster | split path | SGEMM | read W | vs SGEMM | split path vs SGEMM "
              "| best forced |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

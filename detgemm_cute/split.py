@@ -29,7 +29,7 @@ not depend on the other rows of its batch, and micro-batched dW equals one call.
 Non-finite inputs: hi carries the Inf or NaN and lo is NaN, so every output an Inf or NaN
 input touches is NaN (IEEE would give Inf for an Inf that is not cancelled).
 
-With few rows (fwd/dX, M <= 32) `split_decode` computes the same bits without writing W's
+With few rows (fwd/dX, M <= 64) `split_decode` computes the same bits without writing W's
 parts: its kernel splits W in registers and runs the same chunks and adds.
 """
 

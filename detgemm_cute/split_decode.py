@@ -12,13 +12,14 @@ distributed shared memory, and W is read once (ncu at 4096 x 4096: 69 MB of DRAM
 a 64 MB W, but DRAM at 51% of peak: each CTA loads, then computes, with 4 CTAs per SM).
 
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
-1 <= M <= 32, K a positive multiple of 32, the weight K-contiguous with 16-byte-aligned rows
-and base (`tensor_needs.SPLIT_ROWS`), a GPU from sm_80 up. ``DETGEMM_CUTE_FP32_DECODE=0``
-(read at import) turns it off.
+1 <= M <= 64 (32 on sm_80, whose shared memory cannot stage 64 rows of X), K a positive
+multiple of 32, the weight K-contiguous with 16-byte-aligned rows and base
+(`tensor_needs.SPLIT_ROWS`), a GPU from sm_80 up. ``DETGEMM_CUTE_FP32_DECODE=0`` (read at
+import) turns it off.
 
 The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
-and round, a persistent grid of two CTAs per SM at most) and `cluster_shape` (CTAs per
-cluster and chunks per CTA from a byte target).
+and round, a persistent grid of two CTAs per SM at most, X staged as its parts or as fp32)
+and `cluster_shape` (CTAs per cluster and chunks per CTA from a byte target).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import torch
 from . import split
 from .kernels import tensor_needs as needs
 
-MAX_M = 32  # above, X's parts read per block of W cost more than W's split saves
+MAX_M = 64  # above, X's rows read per block of W cost more than W's split saves
+SM80_MAX_M = 32  # sm_80's 163 KiB cannot stage 64 rows of X
+X_FP32_M = 8  # rows of X (m_rows) from which X is staged as fp32 and split in registers
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
 CTAS_PER_SM = 2
-WIDE_M = 16  # rows of X from which a block of `SplitGemvFp32` takes 16 rows of W
+WIDE_M = 32  # rows of X from which a block of `SplitGemvFp32` takes 16 rows of W
 _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
 _SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
 SMEM_LIMIT = 227 * 1024  # one CTA's most on sm_90
@@ -72,23 +75,30 @@ def fused(on: bool):
         _ON = prev
 
 
-def covers(op: str, m: int, k: int) -> bool:
-    """Whether a problem's shape is one the fused path serves (fwd or dX, 1 <= M <= MAX_M,
+def covers(op: str, m: int, k: int, max_m: int = MAX_M) -> bool:
+    """Whether a problem's shape is one the fused path serves (fwd or dX, 1 <= M <= max_m,
     K a positive multiple of 32): `applies` adds the operands' layout and the GPU."""
-    return op != "dw" and 0 < m <= MAX_M and k > 0 and k % split.BLOCK_K == 0
+    return op != "dw" and 0 < m <= max_m and k > 0 and k % split.BLOCK_K == 0
+
+
+def max_m(capability: tuple[int, int]) -> int:
+    """The most rows of X the fused path serves on a GPU of this compute capability."""
+    return MAX_M if capability >= (9, 0) else SM80_MAX_M
 
 
 def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
     """Whether this fp32 "ieee" call runs on the fused kernel (see the module docstring)."""
     m, k = a.shape
-    return (_ON and acc is None and covers(op, m, k) and W_NEED.meets(b_nk)
-            and _capability(a.device) >= (8, 0))
+    if not (_ON and acc is None and covers(op, m, k) and W_NEED.meets(b_nk)):
+        return False
+    capability = _capability(a.device)
+    return capability >= (8, 0) and m <= max_m(capability)
 
 
 def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90") -> str | None:
     """The line `detgemm-cute explain` adds where the fused path, not the bucket, serves an
     fp32 problem (None elsewhere); `arch` is the table's ("sm90", "sm80")."""
-    if dtype != "fp32" or not covers(op, m, k):
+    if dtype != "fp32" or not covers(op, m, k, max_m((9, 0) if arch == "sm90" else (8, 0))):
         return None
     cluster = arch == "sm90" and uses_cluster(m, k, (9, 0))
     kernel = (f"kernels/cluster_gemv.py, clusters of {cluster_shape(m, k).cluster} CTAs"
@@ -114,41 +124,61 @@ def m_rows_for(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
-    """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and X's parts, the
-    chunk exchange, the row scales."""
+class StreamShape(NamedTuple):
+    """A launch of `SplitGemvFp32`: X's rows, rows of W per block, chunks per warp and
+    round, cp.async stages, CTAs (persistent), X staged as fp32 (else as its parts)."""
+    m_rows: int
+    rows: int
+    group: int
+    stages: int
+    ctas: int
+    x_fp32: bool = False
+
+
+def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False) -> int:
+    """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and of X (fp32 or
+    its parts), the chunk exchange, the row scales."""
     slots = _WARPS * group
     w = stages * rows * (slots * 32 + 16) * 4
-    a = stages * m_rows * (slots * 96 + 16) * 2
-    return w + a + 2 * slots * m_rows * rows * 4 + 2 * max(8, rows) * 4 + 4 * 128
+    a = stages * m_rows * ((slots * 32 + 16) * 4 if x_fp32 else (slots * 96 + 16) * 2)
+    return w + a + slots * m_rows * rows * 4 + 2 * max(8, rows) * 4 + 4 * 128
 
 
 @functools.lru_cache(maxsize=4096)
 def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
-                 ) -> tuple[int, int, int, int, int]:
-    """(m_rows, rows, group, stages, ctas): X's rows (`m_rows_for`); rows of W per block;
-    chunks per warp and round; cp.async stages; a persistent grid (`bench/bench_fp32_decode.py
-    --sweep stream` measured the choices on an H100):
+                 ) -> StreamShape:
+    """The `StreamShape` of an M x N x K problem: X's rows (`m_rows_for`); rows of W per
+    block; chunks per warp and round; cp.async stages; a persistent grid; X's form
+    (`bench/bench_fp32_decode.py --sweep stream` measured the choices on an H100):
 
-    - up to 8 rows of X: 8 rows of W (one n8 block: faster than 2, 4 or 16 rows, although
-      fewer rows would keep more of the blocks that CTAs read twice in L2), as many stages
-      (2..4) as two CTAs per SM leave room for, `CTAS_PER_SM` CTAs per SM;
-    - 16 or 32 rows of X: 16 rows of W, one chunk per warp and round, 2 stages, one CTA per
-      SM (X's parts, staged per block of W, cost half as much per row of W: at M = 32
-      4096 x 4096 took 73 us against 97 us with 8 rows), where one CTA's shared memory
-      allows (`smem_limit`: 32 rows of X need 165 KiB, more than sm_80's 163)."""
+    - X's form: its fp16 parts (from the split kernel) below `X_FP32_M` rows of X, from
+      there fp32, split in registers (4 bytes a value staged per block instead of 6; 1.07x
+      the speed at M = 8 and 1.11x at M = 16, geomean of 12 shapes; 0.95x at M = 2);
+    - up to 16 rows of X, and wherever 16-row blocks would leave more than half the SMs
+      without one: 8 rows of W (one n8 block: faster than 2, 4 or 16 rows at few rows of
+      X), as many stages (2..4; 2 with X in fp32, where 3 measured 2% slower at M = 8) and
+      chunks per warp and round (2, else 1) as two CTAs per SM leave room for,
+      `CTAS_PER_SM` CTAs per SM where two fit;
+    - 32 or 64 rows of X: 16 rows of W, one chunk per warp and round, 3 stages where one
+      CTA's shared memory allows (`smem_limit`), else 2, one CTA per SM (X, staged per
+      block of W, costs half as much per row of W: at M = 32 4096 x 4096 took 73 us against
+      97 us with 8 rows). With fewer than sms / 2 blocks they lost to 8 rows (N = 1024:
+      M = 32 26 us against 33, M = 64 41 against 50), with 80 of 132 they won (N = 1280)."""
     m_rows = m_rows_for(m)
-    if m_rows >= WIDE_M and smem_bytes(m_rows, 16, 1, 2) <= smem_limit:
-        rows, group, stages, per_sm = 16, 1, 2, 1
+    x_fp32 = m_rows >= X_FP32_M
+    stages = next((s for s in (3, 2) if smem_bytes(m_rows, 16, 1, s, x_fp32) <= smem_limit), 0)
+    if m_rows >= WIDE_M and stages and 2 * -(-n // 16) >= sms:
+        rows, group, per_sm = 16, 1, 1
     else:
-        rows, group, stages = 8, 2, 4
-        while stages > 2 and smem_bytes(m_rows, rows, group, stages) > _SMEM_BYTES:
+        rows, group, stages = 8, 2, 2 if x_fp32 else 4
+        while stages > 2 and smem_bytes(m_rows, rows, group, stages, x_fp32) > _SMEM_BYTES:
             stages -= 1
-        while group > 1 and smem_bytes(m_rows, rows, group, stages) > _SMEM_BYTES:
+        while group > 1 and smem_bytes(m_rows, rows, group, stages, x_fp32) > _SMEM_BYTES:
             group //= 2
-        per_sm = CTAS_PER_SM if smem_bytes(m_rows, rows, group, stages) <= _SMEM_BYTES else 1
+        fits = smem_bytes(m_rows, rows, group, stages, x_fp32) <= _SMEM_BYTES
+        per_sm = CTAS_PER_SM if fits else 1
     blocks = -(-n // rows)
-    return m_rows, rows, group, stages, min(blocks, per_sm * sms)
+    return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32)
 
 
 class ClusterShape(NamedTuple):
@@ -212,7 +242,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
     bias in fp32 (not yet rounded to another output dtype). `shape` forces a kernel
-    (benchmarks, tests): a `ClusterShape`, or a `launch_shape` tuple."""
+    (benchmarks, tests): a `ClusterShape`, or a `StreamShape`."""
     m, k = a.shape
     n = b_nk.shape[0]
     a2, sa = split.scaled_operand_cuda(a, "a")
@@ -237,17 +267,21 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                                                                      arch))
         fn(w, parts, sa, y, bias)
     else:
-        m_rows, rows, group, stages, ctas = shape
+        shape = StreamShape(*shape)
         w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
-        key = ("gemv", m_rows, rows, group, stages, bias is not None, arch)
-        fn = split.compiled_once(key, lambda: compile_kernel(m_rows, rows, group, stages,
-                                                             bias is not None, arch))
-        fn(w, w_bits, parts, sa, y, bias, ctas)
+        if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
+            a = needs.conform(a, needs.SPLIT_ROWS)
+            parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
+        build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
+                 shape.x_fp32)
+        fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
+        fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     return y
 
 
-def _fake_operands(has_bias: bool):
-    """Fake W, W's int32 view, X's parts, X's scales, Y and bias for `cute.compile`."""
+def _fake_operands(has_bias: bool, x_fp32: bool = False):
+    """Fake W, W's int32 view, X's parts (`x_fp32`: X as [M, chunks, 8, 4]), X's scales, Y
+    and bias for `cute.compile`."""
     import cutlass
     import cutlass.cute as cute
 
@@ -256,8 +290,12 @@ def _fake_operands(has_bias: bool):
                    strides=(W_NEED.strides[0], 32, 16, 4, needs.UNIT))
     w_bits = needs.fake(cutlass.Int32, (n, quads, 4), W_NEED,
                         strides=(W_NEED.strides[0], 4, needs.UNIT))
-    parts = needs.fake(cutlass.Float16, (m, chunks, 3, 2, 4, 4), needs.SPLIT_PARTS,
-                       strides=(needs.SPLIT_PARTS.strides[0], 96, 32, 16, 4, needs.UNIT))
+    if x_fp32:
+        parts = needs.fake(cutlass.Float32, (m, chunks, 8, 4), needs.SPLIT_ROWS,
+                           strides=(needs.SPLIT_ROWS.strides[0], 32, 4, needs.UNIT))
+    else:
+        parts = needs.fake(cutlass.Float16, (m, chunks, 3, 2, 4, 4), needs.SPLIT_PARTS,
+                           strides=(needs.SPLIT_PARTS.strides[0], 96, 32, 16, 4, needs.UNIT))
     scales = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
     y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
     bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
@@ -274,15 +312,15 @@ def _compile(kernel, args, arch: str, extra_options: str):
 
 
 def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                   arch: str, extra_options: str = ""):
+                   arch: str, x_fp32: bool = False, extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
 
     from .kernels.split_gemv import SplitGemvFp32
 
-    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias)
-    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias),
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32)
+    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32),
                     (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
 
 
@@ -296,8 +334,8 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
                     (w, parts, scales, y, bias), arch, extra_options)
 
 
-__all__ = ["fused", "covers", "applies", "explain_note", "decode_gemm", "launch_shape",
-           "stream_shape", "cluster_shape", "ClusterShape", "uses_cluster", "default_shape",
-           "m_rows_for", "smem_bytes", "cluster_smem_bytes", "compile_kernel",
-           "compile_cluster_kernel", "MAX_M", "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K",
-           "ENV"]
+__all__ = ["fused", "covers", "max_m", "applies", "explain_note", "decode_gemm",
+           "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
+           "uses_cluster", "default_shape", "m_rows_for", "smem_bytes", "cluster_smem_bytes",
+           "compile_kernel", "compile_cluster_kernel", "MAX_M", "SM80_MAX_M", "X_FP32_M",
+           "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K", "ENV"]

@@ -19,12 +19,13 @@ def test_sweep_shapes_fit_or_are_skipped(bd):
     from detgemm_cute import split_decode
 
     for m in bd.DECODE_M:
-        for rows, group, stages, per_sm in bd.SWEEP:
-            fn = bd.forced(m, 4096, rows, group, stages, per_sm, 132)
+        for rows, group, stages, per_sm, x_fp32 in bd.SWEEP:
+            fn = bd.forced(m, 4096, rows, group, stages, per_sm, 132, x_fp32)
             if m > split_decode.MAX_M:
                 assert fn is None
                 continue
-            smem = split_decode.smem_bytes(split_decode.m_rows_for(m), rows, group, stages)
+            smem = split_decode.smem_bytes(split_decode.m_rows_for(m), rows, group, stages,
+                                           x_fp32)
             assert (fn is None) == (smem * per_sm > split_decode.SMEM_LIMIT)
 
 

@@ -45,7 +45,7 @@ def fused_path(x, w, bias=None):
         return dg.linear(x, w, bias)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 50, 64])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (8, 96), (100, 320), (1000, 1024),
                                  (4096, 4096), (1280, 8192), (333, 14336)])
 def test_fused_has_the_split_paths_bits(m, n, k):
@@ -55,24 +55,30 @@ def test_fused_has_the_split_paths_bits(m, n, k):
     assert same_bits(fused_path(x, w), split_path(x, w))
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 29])
+@pytest.mark.parametrize("m", [1, 5, 16, 29, 41])
 def test_every_launch_shape_same_bits(m):
+    """Every rows/group/stages/grid the kernel takes, X staged as its parts or as fp32
+    (the latter on fewer shapes: the same loops, another A fragment source)."""
     g = torch.Generator(device=DEV).manual_seed(m)
     n, k = 600, 2048 + 32 * 7  # a partial last block and a partial last round
     x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
     want = split_path(x, w, bias)
-    m_rows = split_decode.m_rows_for(m)
-    for rows in (2, 4, 8, 16):
-        for group in (1, 2, 4):
-            for stages in (2, 3, 5):
-                if split_decode.smem_bytes(m_rows, rows, group, stages) > \
-                        split_decode.SMEM_LIMIT:
-                    continue
-                for ctas in (1, 7, 2 * SMS):
-                    poison()
-                    y = split_decode.decode_gemm(x, w, bias,
-                                                 (m_rows, rows, group, stages, ctas))
-                    assert same_bits(y, want), (rows, group, stages, ctas)
+    m_rows, ran = split_decode.m_rows_for(m), 0
+    for x_fp32 in (False, True):
+        for rows in (2, 4, 8, 16):
+            for group in ((1, 2) if x_fp32 else (1, 2, 4)):
+                for stages in ((2, 3) if x_fp32 else (2, 3, 5)):
+                    if split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32) > \
+                            split_decode.SMEM_LIMIT:
+                        continue
+                    for ctas in (1, 7, 2 * SMS):
+                        shape = split_decode.StreamShape(m_rows, rows, group, stages, ctas,
+                                                         x_fp32)
+                        poison()
+                        assert same_bits(split_decode.decode_gemm(x, w, bias, shape),
+                                         want), shape
+                        ran += 1
+    assert ran >= 6
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="clusters: sm_90")
@@ -99,7 +105,7 @@ def test_every_cluster_shape_same_bits(m):
     assert ran >= 4
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 72, 160), (19, 24, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 72, 160), (19, 24, 96), (37, 24, 96)])
 def test_matches_cpu_reference(m, n, k):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
@@ -108,7 +114,27 @@ def test_matches_cpu_reference(m, n, k):
     assert same_bits(y.cpu(), want)
 
 
-@pytest.mark.parametrize("m", [9, 4])  # 16 and 8 rows of W per block
+def test_random_problems_match_the_cpu_reference():
+    """48 random problems the fused path serves (M 1..64, N 1..700, K a multiple of 32,
+    values over a wide exponent range, a bias half the time, a weight sliced from a wider
+    one a third of the time): each result against the CPU reference, bit for bit."""
+    import random
+
+    rng = random.Random(20261127)
+    g = torch.Generator(device=DEV).manual_seed(27)
+    for case in range(48):
+        m, n = rng.randint(1, 64), rng.randint(1, 700)
+        k = 32 * rng.randint(1, max(1, min(96, 4_000_000 // (32 * m * n))))
+        x = rand(m, k, g=g, spread=True)
+        w = rand(n, k + 64, g=g, spread=True)[:, 32:32 + k] if case % 3 == 0 else \
+            rand(n, k, g=g, spread=True)
+        bias = rand(n, g=g) if case % 2 else None
+        y = fused_path(x, w, bias)
+        want = reference.linear(x.cpu(), w.cpu(), None if bias is None else bias.cpu())
+        assert same_bits(y.cpu(), want), (m, n, k, bias is not None)
+
+
+@pytest.mark.parametrize("m", [9, 4, 40])  # 16 and 8 rows of W per block; X in fp32
 def test_special_values_match_the_split_path(m):
     g = torch.Generator(device=DEV).manual_seed(11)
     n, k = 64, 256

@@ -42,18 +42,40 @@ def test_old_gpus_keep_the_split_path(monkeypatch):
     assert not split_decode.applies(torch.randn(4, 256), torch.randn(100, 256), None, "fwd")
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 32])
+def test_sm80_serves_32_rows_of_x_at_most(monkeypatch):
+    monkeypatch.setattr(split_decode, "_capability", lambda device: (8, 0))
+    w = torch.randn(100, 256)
+    with split_decode.fused(True):
+        assert split_decode.applies(torch.randn(split_decode.SM80_MAX_M, 256), w, None, "fwd")
+        assert not split_decode.applies(torch.randn(split_decode.SM80_MAX_M + 1, 256), w,
+                                        None, "fwd")
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n,k", [(1, 32), (100, 4096), (1280, 8192), (4096, 4096),
                                  (14336, 4096), (151936, 896)])
-@pytest.mark.parametrize("limit", [split_decode.SM80_SMEM, split_decode.SMEM_LIMIT])
-def test_launch_shape_arithmetic(m, n, k, limit):
-    m_rows, rows, group, stages, ctas = split_decode.launch_shape(m, n, k, 132, limit)
+@pytest.mark.parametrize("cap", [(8, 0), (9, 0)])
+def test_launch_shape_arithmetic(m, n, k, cap):
+    if m > split_decode.max_m(cap):  # sm_80 serves 32 rows of X at most
+        assert cap == (8, 0) and m > split_decode.SM80_MAX_M
+        return
+    limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
+    shape = split_decode.launch_shape(m, n, k, 132, limit)
+    m_rows, rows, group, stages, ctas, x_fp32 = shape
+    assert isinstance(shape, split_decode.StreamShape)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
-    assert m_rows in (1, 2, 4, 8, 16, 32)
-    # 16 rows of W from 16 rows of X, where one CTA's shared memory holds them
-    assert rows == (16 if m_rows >= 16 and (m_rows == 16 or limit > 165 * 1024) else 8)
+    assert m_rows in (1, 2, 4, 8, 16, 32, 64)
+    assert x_fp32 == (m_rows >= split_decode.X_FP32_M)
+    # 16 rows of W from 32 rows of X, where one CTA's shared memory holds them and the
+    # blocks give at least half the SMs one
+    fits = split_decode.smem_bytes(m_rows, 16, 1, 2, x_fp32) <= limit
+    wide = m_rows >= split_decode.WIDE_M and fits and 2 * -(-n // 16) >= 132
+    assert rows == (16 if wide else 8)
     assert group in (1, 2, 4) and 2 <= stages <= 4
-    smem = split_decode.smem_bytes(m_rows, rows, group, stages)
+    if wide:  # 3 stages where they fit
+        assert group == 1 and stages == (
+            3 if split_decode.smem_bytes(m_rows, 16, 1, 3, x_fp32) <= limit else 2)
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32)
     per_sm = 2 if smem <= split_decode._SMEM_BYTES and rows == 8 else 1
     assert smem * per_sm <= split_decode.SMEM_LIMIT and smem <= limit
     assert 1 <= ctas <= min(-(-n // rows), per_sm * 132)
@@ -62,23 +84,30 @@ def test_launch_shape_arithmetic(m, n, k, limit):
 def test_kernel_rejects_shapes_it_has_no_code_for():
     from detgemm_cute.kernels.split_gemv import SplitGemvFp32
 
-    for bad in [(0, 8, 1, 2), (5, 8, 1, 2), (64, 8, 1, 2), (1, 3, 1, 2), (1, 8, 8, 2),
+    for bad in [(0, 8, 1, 2), (5, 8, 1, 2), (128, 8, 1, 2), (1, 3, 1, 2), (1, 8, 8, 2),
                 (1, 8, 1, 1)]:
         with pytest.raises(ValueError, match="SplitGemvFp32"):
             SplitGemvFp32(*bad, False)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("shape", [(1, 8, 2, 4, True), (16, 16, 1, 2, False),
-                                   (32, 8, 1, 2, True), (4, 2, 2, 3, False)])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 4, True, False), (16, 16, 1, 2, False, False),
+                                   (32, 8, 1, 2, True, False), (4, 2, 2, 3, False, False),
+                                   (64, 16, 1, 2, True, True), (8, 8, 2, 2, False, True)])
 def test_compiled_code(arch, shape, tmp_path):
-    fn = split_decode.compile_kernel(*shape, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    fn = split_decode.compile_kernel(*shape[:5], arch, x_fp32=shape[5],
+                                     extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = fn.__ptx__ or ""
     ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
     assert "ld.global.v4.b32" in ops  # the row maxima: 16-byte loads of W
-    assert "cp.async.cg.shared.global" in ops  # W and X's parts staged by cp.async
+    assert "cp.async.cg.shared.global" in ops  # W and X (fp32 or parts) staged by cp.async
     assert "cvt.rn.f16x2.f32" in ops  # the split's round-to-nearest-even conversions
+    # Per chunk, each thread splits 2 x 4 values of W per n8 block (3 parts, 2 values a
+    # cvt) and, with X in fp32, 4 x 4 values of X per m16 tile: the split is in the code.
+    n_blocks, m_tiles = max(8, shape[1]) // 8, -(-shape[0] // 16)
+    cvts = len(re.findall(r"^\s*cvt\.rn\.f16x2\.f32", ptx, flags=re.M))
+    assert cvts >= 12 * n_blocks + (24 * m_tiles if shape[5] else 0), cvts
     assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
     assert ("add.rn.f32" in ops) == shape[4]  # the bias add
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
@@ -111,7 +140,7 @@ def test_cluster_kernel_rejects_shapes_it_has_no_code_for():
     from detgemm_cute.kernels.cluster_gemv import ClusterGemvFp32
 
     for bad in [(1, 0, 8, 1), (1, 9, 8, 1), (1, 2, 12, 1), (1, 2, 0, 1), (1, 2, 16, 3),
-                (3, 2, 16, 1), (64, 2, 16, 1)]:
+                (3, 2, 16, 1), (128, 2, 16, 1)]:
         with pytest.raises(ValueError, match="GemvFp32"):
             ClusterGemvFp32(*bad, False)
 
@@ -143,7 +172,9 @@ def test_explain_names_the_fused_path_where_it_serves():
     assert "cluster_gemv.py, clusters of" in text
     assert "split_gemv" in tables.explain("fwd", "fp32", "sm80", 1, 4096, 14336)
     assert "fused:" in tables.explain("dx", "torch.float32", "sm90", 32, 4096, 4096)
-    for op, dtype, m, k in [("fwd", "fp32", 33, 4096), ("dw", "fp32", 1, 4096),
+    assert "fused:" in tables.explain("fwd", "fp32", "sm90", 64, 4096, 4096)
+    assert "fused:" not in tables.explain("fwd", "fp32", "sm80", 33, 4096, 4096)
+    for op, dtype, m, k in [("fwd", "fp32", 65, 4096), ("dw", "fp32", 1, 4096),
                             ("fwd", "bf16", 1, 4096), ("fwd", "fp32", 1, 100)]:
         assert "fused:" not in tables.explain(op, dtype, "sm90", m, 4096, k)
 

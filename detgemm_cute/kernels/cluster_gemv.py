@@ -55,7 +55,7 @@ ROWS = 8  # rows of W per cluster: the MMA's n8
 class ClusterGemvFp32(SplitGemvFp32):
     """One cluster of ``cluster`` CTAs (1..8) per block of 8 rows of W; each CTA holds
     ``cap`` chunks (a multiple of 8) of the block's rows and of X's ``m_rows`` rows (a power of
-    two up to 32) in shared memory, loaded in ``groups`` (1, 2 or 4) commit groups."""
+    two up to 64) in shared memory, loaded in ``groups`` (1, 2 or 4) commit groups."""
 
     def __init__(self, m_rows: int, cluster: int, cap: int, groups: int, has_bias: bool):
         if not 1 <= cluster <= 8 or cap < 8 or cap % 8 or groups not in (1, 2, 4):

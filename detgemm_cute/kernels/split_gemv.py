@@ -1,14 +1,16 @@
 """The fp32 tier's full precision at decode sizes: W's split fused into the GEMM (sm_80 up).
 
-``Y[M, N] = unscale(chunks(parts(X), parts(W))) (+ bias)`` for M <= 32, with the bits of
+``Y[M, N] = unscale(chunks(parts(X), parts(W))) (+ bias)`` for M <= 64, with the bits of
 the split path (`split.py`: `scaled_operand_cuda` on both operands, the chunked GEMM,
 `split.unscale`), but W is read as fp32 and split in registers: its three fp16 parts are
-never written to memory and read back. X's parts (M rows, small) come from the split kernel.
+never written to memory and read back. X's parts come from the split kernel, or (`x_fp32`)
+X is staged as fp32 too and split in registers with its row scales (4 bytes a value staged
+per block of W instead of 6: the form for many rows of X).
 
 Pipeline (one CTA of 8 warps per block of `rows` rows of W, persistent over blocks; a
 round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
 
-1. The cp.async ring: stages - 1 rounds of the block's W rows and of X's parts are copied
+1. The cp.async ring: stages - 1 rounds of the block's W rows and of X's rows are copied
    into shared memory (16-byte cp.async, threads in memory order) before anything else.
 2. Row scales: the CTA streams its rows (16-byte loads, `_LOADS` in flight per thread),
    takes the integer maximum of |x|'s bits per row (a NaN dominates, as in
@@ -20,7 +22,8 @@ round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
    thread scales and splits its 8 values of W into the B fragments of the chunk's six
    ``m16n8k16`` steps (side "b": -hi j0, -hi j1, -lo j0, -lo j1, hi j0, hi j1), reads X's
    parts as the A fragments, and runs the six steps onto a fragment that starts at +0.0:
-   the chunk, exactly as the chunked GEMM kernels compute it.
+   the chunk, exactly as the chunked GEMM kernels compute it. With `x_fp32` the A
+   fragments are split from X's staged fp32 values the same way (side "a").
 4. Ordered adds: each warp writes its chunks to shared memory; after a barrier, the thread
    that owns an output adds the round's chunks to its fp32 accumulator one IEEE add at a
    time, in ascending chunk order (the chunked chain: acc = ((+0.0 + c0) + c1) + ...).
@@ -35,7 +38,8 @@ in the fragment slots 2t, 2t+1, 2t+8, 2t+9 of both A and B: the same 16 products
 
 Inputs: W fp32 [N, chunks, 2, 4, 4] and its int32 view [N, chunks * 8, 4] (rows 16-byte
 aligned, K a multiple of 32); X's parts fp16 [M, chunks, 3, 2, 4, 4] (side "a": -lo, -hi,
-hi per chunk); X's row scales s_x fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
+hi per chunk), or with `x_fp32` X fp32 [M, chunks, 8, 4] (rows 16-byte aligned); X's row
+scales s_x fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
 """
 
 from __future__ import annotations
@@ -59,28 +63,30 @@ _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
 class SplitGemvFp32:
     """One CTA per block of ``rows`` rows of W (2, 4, 8 or 16; persistent: the launch's grid
     may be smaller than the block count), ``m_rows`` rows of X at most (a power of two up to
-    32: the m16 tiles and the shared-memory rows of X's parts), ``group`` chunks per warp and
-    round, ``stages`` rounds in the cp.async ring, optional fp32 bias. (`split_decode`
-    launches 8 rows up to 8 rows of X, 16 from 16: fewer rows, which would keep more of the
-    twice-read blocks in L2 at long K, measured slower on the H100.)"""
+    64: the m16 tiles and the shared-memory rows of X), ``group`` chunks per warp and round,
+    ``stages`` rounds in the cp.async ring, optional fp32 bias, X staged as fp32 and split
+    in registers (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
 
-    def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool):
-        if (m_rows not in (1, 2, 4, 8, 16, 32) or rows not in (2, 4, 8, 16)
+    def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
+                 x_fp32: bool = False):
+        if (m_rows not in (1, 2, 4, 8, 16, 32, 64) or rows not in (2, 4, 8, 16)
                 or group not in (1, 2, 4) or not 2 <= stages <= 6):
-            raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32), rows in "
+            raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32, 64), rows in "
                              f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6; got {m_rows}, "
                              f"{rows}, {group}, {stages}")
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
         self.rows, self.group, self.stages = rows, group, stages
         self.bn = max(8, rows)  # the MMA's N extent: n8 blocks, rows past `rows` unused
         self.n_blocks = self.bn // 8
-        self.has_bias = has_bias
+        self.has_bias, self.x_fp32 = has_bias, x_fp32
         self.slots = WARPS * group  # chunks per round
         # Shared-memory row pitches, padded so that a warp's fragment reads hit distinct
-        # banks: W rows by 16 fp32 (lanes 4 rows apart alternate bank halves), X rows by 16
-        # fp16 (four rows' 8-byte reads fill 128 bytes).
+        # banks: fp32 rows (W; X with x_fp32) by 16 values (lanes 4 rows apart alternate
+        # bank halves), rows of X's parts by 16 fp16 (four rows' 8-byte reads fill 128 bytes).
         self.w_pitch = self.slots * 32 + 16
-        self.a_pitch = self.slots * 96 + 16
+        self.a_pitch = self.w_pitch if x_fp32 else self.slots * 96 + 16
+        # X's rows in shared memory: (values per 16-byte vector, vectors per chunk).
+        self.a_vec = (4, 8) if x_fp32 else (8, 12)
         self.outs = m_rows * rows  # outputs of a block (rows of X below m_rows)
         self.per_thread = -(-self.outs // THREADS)
 
@@ -91,14 +97,15 @@ class SplitGemvFp32:
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
         w_floats = self.stages * self.rows * self.w_pitch
-        a_halves = self.stages * self.m_rows * self.a_pitch
+        a_values = self.stages * self.m_rows * self.a_pitch
+        a_dtype = cutlass.Float32 if self.x_fp32 else cutlass.Float16
 
         @cute.struct
         class SharedStorage:
             w: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, w_floats], 128]
-            a: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, a_halves], 128]
+            a: cute.struct.Align[cute.struct.MemRange[a_dtype, a_values], 128]
             parts: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float32, 2 * self.slots * self.outs], 16]
+                cute.struct.MemRange[cutlass.Float32, self.slots * self.outs], 16]
             scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
             inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
             tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS], 16]
@@ -124,17 +131,17 @@ class SplitGemvFp32:
         rounds = (chunks + self.slots - 1) // self.slots
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        # W: [stage][row][chunk slot][32] (pitch w_pitch per row); X's parts: [stage][row]
-        # [chunk slot][96] (pitch a_pitch); chunk values: [buffer][slot][row][col].
+        # W: [stage][row][chunk slot][32] (pitch w_pitch per row); X: [stage][row][chunk
+        # slot][32 fp32 or 96 parts] (pitch a_pitch); chunk values: [slot][row][col].
         s_w = storage.w.get_tensor(cute.make_layout(
             (4, 8, self.slots, rows, stages),
             stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
+        vec, vecs = self.a_vec
         s_a = storage.a.get_tensor(cute.make_layout(
-            (8, 12, self.slots, self.m_rows, stages),
-            stride=(1, 8, 96, self.a_pitch, self.m_rows * self.a_pitch)))
+            (vec, vecs, self.slots, self.m_rows, stages),
+            stride=(1, vec, vec * vecs, self.a_pitch, self.m_rows * self.a_pitch)))
         s_parts = storage.parts.get_tensor(
-            cute.make_layout((2, self.slots, self.m_rows, rows),
-                             stride=(self.slots * self.outs, self.outs, rows, 1)))
+            cute.make_layout((self.slots, self.m_rows, rows), stride=(self.outs, rows, 1)))
         s_scale = storage.scale.get_tensor(cute.make_layout(bn))
         s_inv = storage.inv.get_tensor(cute.make_layout(bn))
         s_tops = storage.tops.get_tensor(cute.make_layout(WARPS))
@@ -146,6 +153,7 @@ class SplitGemvFp32:
         chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * self.m_tiles, bn)))
         acc = cute.make_rmem_tensor((self.per_thread,), cutlass.Float32)
         row_scale = cute.make_rmem_tensor((nb_n,), cutlass.Float32)
+        x_scale = self._x_scales(mSx, m_total, lane)
         per_row = THREADS // rows
         w_row, sub = tidx // per_row, tidx % per_row
         quads = cute.size(mWbits, mode=[1])
@@ -177,17 +185,20 @@ class SplitGemvFp32:
                     self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
                                      m_total, nxt, nxt % stages, tidx)
                 cute.arch.cp_async_commit_group()
-                stage, buf = r % stages, r % 2
+                stage = r % stages
                 for gi in cutlass.range_constexpr(grp):
                     slot = warp * grp + gi
                     if r * self.slots + slot < chunks:
                         self._split_w(s_w, row_scale, frag_b, slot, stage, lane)
-                        self._load_a(s_a, frag_a, slot, stage, m_total, lane)
+                        if cutlass.const_expr(self.x_fp32):
+                            self._split_a(s_a, x_scale, frag_a, slot, stage, m_total, lane)
+                        else:
+                            self._load_a(s_a, frag_a, slot, stage, m_total, lane)
                         chunk.fill(0.0)
                         for s in cutlass.range_constexpr(STEPS):
                             cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
                                       frag_b[(None, None, s)], chunk)
-                        self._store_chunk(chunk, s_parts, buf, slot, m_total, lane)
+                        self._store_chunk(chunk, s_parts, slot, m_total, lane)
                 cute.arch.sync_threads()
                 in_round = chunks - r * self.slots
                 for i in cutlass.range_constexpr(self.per_thread):
@@ -198,7 +209,7 @@ class SplitGemvFp32:
                         vals = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
                         for sl in cutlass.range_constexpr(self.slots):
                             if sl < in_round:
-                                vals[sl] = s_parts[(buf, sl, m, o % rows)]
+                                vals[sl] = s_parts[(sl, m, o % rows)]
                         total = acc[i]
                         for sl in cutlass.range_constexpr(self.slots):
                             if sl < in_round:
@@ -217,20 +228,22 @@ class SplitGemvFp32:
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
 
     def _staging(self, mA: cute.Tensor, m_total, chunks):
-        """The cp.async atoms (16 bytes of W's fp32, of X's fp16 parts) and X's parts as
-        [row, chunk, 12, 8]: 16-byte vectors."""
+        """The cp.async atoms (16 bytes of W's fp32, of X: fp32 or fp16 parts) and X as
+        [row, chunk, vectors, values]: 16-byte vectors (`a_vec`)."""
+        a_dtype = cutlass.Float32 if self.x_fp32 else cutlass.Float16
         atoms = [cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), dtype,
-            num_bits_per_copy=128) for dtype in (cutlass.Float32, cutlass.Float16)]
+            num_bits_per_copy=128) for dtype in (cutlass.Float32, a_dtype)]
+        vec, vecs = self.a_vec
         mA8 = cute.make_tensor(mA.iterator, cute.make_layout(
-            (m_total, chunks, 12, 8), stride=(mA.stride[0], 96, 8, 1)))
+            (m_total, chunks, vecs, vec), stride=(mA.stride[0], vec * vecs, vec, 1)))
         return atoms[0], atoms[1], mA8
 
     @cute.jit
     def _copy_round(self, g2s_w, g2s_a, mW: cute.Tensor, mA8: cute.Tensor, s_w: cute.Tensor,
                     s_a: cute.Tensor, n0, n_total, chunks, m_total, r, stage, tidx):
-        """cp.async round r's W rows and X's parts (16-byte vectors, threads in memory
-        order) into `stage`; nothing past N, M or the last chunk (never read)."""
+        """cp.async round r's W rows and X's rows (fp32 or parts; 16-byte vectors, threads
+        in memory order) into `stage`; nothing past N, M or the last chunk (never read)."""
         c0 = r * self.slots
         w_vecs = self.rows * self.slots * 8
         for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
@@ -240,10 +253,11 @@ class SplitGemvFp32:
             if u < w_vecs and n0 + row < n_total and c0 + sl < chunks:
                 cute.copy(g2s_w, mW[(n0 + row, c0 + sl, v // 4, v % 4, None)],
                           s_w[(None, v, sl, row, stage)])
-        a_vecs = self.m_rows * self.slots * 12
+        vecs = self.a_vec[1]
+        a_vecs = self.m_rows * self.slots * vecs
         for i in cutlass.range_constexpr(-(-a_vecs // THREADS)):
             u = tidx + i * THREADS
-            v, rest = u % 12, u // 12
+            v, rest = u % vecs, u // vecs
             sl, row = rest % self.slots, rest // self.slots
             if u < a_vecs and row < m_total and c0 + sl < chunks:
                 cute.copy(g2s_a, mA8[(row, c0 + sl, v, None)], s_a[(None, v, sl, row, stage)])
@@ -348,9 +362,52 @@ class SplitGemvFp32:
                     frag_a[(2 * h + 5, mt, s)] = vals[3]
 
     @cute.jit
-    def _store_chunk(self, chunk: cute.Tensor, s_parts: cute.Tensor, buf, slot, m_total,
-                     lane):
-        """This warp's chunk values (rows below M) into its slot of buffer `buf`."""
+    def _x_scales(self, mSx: cute.Tensor, m_total, lane):
+        """With `x_fp32`, the scales of the rows of X this thread's A fragments hold (rows
+        g and g + 8 of each m16 tile; 1.0 past M); else an unused register."""
+        x_scale = cute.make_rmem_tensor((2 * self.m_tiles,), cutlass.Float32)
+        x_scale.fill(1.0)
+        if cutlass.const_expr(self.x_fp32):
+            for i in cutlass.range_constexpr(2 * self.m_tiles):
+                m = (i // 2) * 16 + 8 * (i % 2) + lane // 4
+                if m < m_total:
+                    x_scale[i] = mSx[m]
+        return x_scale
+
+    @cute.jit
+    def _split_a(self, s_a: cute.Tensor, x_scale: cute.Tensor, frag_a: cute.Tensor, slot,
+                 stage, m_total, lane):
+        """`_load_a` from X's fp32 rows (`x_fp32`): per m16 tile, row g or g + 8 and
+        16-wide half j, this thread's values 4t..4t+3 of row m, x = X * s_x[m] (exact),
+        hi = fp16(x), -lo = fp16(hi - x), -hi = fp16(-x), as `SplitFp16Parts` writes side
+        "a" ([-lo, -hi, hi]); steps 2p + j take part p; rows past M are zeros."""
+        g, t = lane // 4, lane % 4
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for h in cutlass.range_constexpr(2):  # rows g, g + 8
+                m = mt * 16 + g + 8 * h
+                for j in cutlass.range_constexpr(2):
+                    parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
+                    parts.fill(0.0)
+                    if cutlass.const_expr(mt * 16 + 8 * h < self.m_rows):
+                        if m < m_total:
+                            xs = cute.make_rmem_tensor((4,), cutlass.Float32)
+                            cute.autovec_copy(s_a[(None, 4 * j + t, slot, m, stage)], xs)
+                            x = xs.load() * x_scale[2 * mt + h]
+                            hi = x.to(cutlass.Float16)
+                            parts[(None, 0)].store((hi.to(cutlass.Float32) - x).to(
+                                cutlass.Float16))
+                            parts[(None, 1)].store((-x).to(cutlass.Float16))
+                            parts[(None, 2)].store(hi)
+                    for p in cutlass.range_constexpr(3):
+                        frag_a[(2 * h, mt, 2 * p + j)] = parts[(0, p)]
+                        frag_a[(2 * h + 1, mt, 2 * p + j)] = parts[(1, p)]
+                        frag_a[(2 * h + 4, mt, 2 * p + j)] = parts[(2, p)]
+                        frag_a[(2 * h + 5, mt, 2 * p + j)] = parts[(3, p)]
+
+    @cute.jit
+    def _store_chunk(self, chunk: cute.Tensor, s_parts: cute.Tensor, slot, m_total, lane):
+        """This warp's chunk values (rows below M) into its slot. One buffer serves every
+        round: a thread reaches the next round's barrier only after its adds of this one."""
         g, t = lane // 4, lane % 4
         for mt in cutlass.range_constexpr(self.m_tiles):
             for nb in cutlass.range_constexpr(self.n_blocks):
@@ -359,7 +416,7 @@ class SplitGemvFp32:
                         m = mt * 16 + g + 8 * (v // 2)
                         col = nb * 8 + 2 * t + v % 2
                         if m < m_total and col < self.rows:
-                            s_parts[(buf, slot, m, col)] = chunk[(v, mt, nb)]
+                            s_parts[(slot, m, col)] = chunk[(v, mt, nb)]
 
 
 @cute.jit
