@@ -325,12 +325,8 @@ class SplitGemvFp32:
                     w.fill(0.0)
                     if g < self.rows:
                         cute.autovec_copy(s_w[(None, 4 * j + t, slot, g, stage)], w)
-                x = w.load() * row_scale[nb]
-                hi = x.to(cutlass.Float16)
                 parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
-                parts[(None, 0)].store((-x).to(cutlass.Float16))
-                parts[(None, 1)].store((hi.to(cutlass.Float32) - x).to(cutlass.Float16))
-                parts[(None, 2)].store(hi)
+                split_quad(w.load() * row_scale[nb], parts, "b")
                 for p in cutlass.range_constexpr(3):
                     for v in cutlass.range_constexpr(4):
                         frag_b[(v, nb, 2 * p + j)] = parts[(v, p)]
@@ -392,12 +388,7 @@ class SplitGemvFp32:
                         if m < m_total:
                             xs = cute.make_rmem_tensor((4,), cutlass.Float32)
                             cute.autovec_copy(s_a[(None, 4 * j + t, slot, m, stage)], xs)
-                            x = xs.load() * x_scale[2 * mt + h]
-                            hi = x.to(cutlass.Float16)
-                            parts[(None, 0)].store((hi.to(cutlass.Float32) - x).to(
-                                cutlass.Float16))
-                            parts[(None, 1)].store((-x).to(cutlass.Float16))
-                            parts[(None, 2)].store(hi)
+                            split_quad(xs.load() * x_scale[2 * mt + h], parts, "a")
                     for p in cutlass.range_constexpr(3):
                         frag_a[(2 * h, mt, 2 * p + j)] = parts[(0, p)]
                         frag_a[(2 * h + 1, mt, 2 * p + j)] = parts[(1, p)]
@@ -417,6 +408,21 @@ class SplitGemvFp32:
                         col = nb * 8 + 2 * t + v % 2
                         if m < m_total and col < self.rows:
                             s_parts[(slot, m, col)] = chunk[(v, mt, nb)]
+
+
+@cute.jit
+def split_quad(x, parts: cute.Tensor, side: cutlass.Constexpr):
+    """Four scaled values x (exact products) into their fp16 parts [4, 3] in `side`'s order
+    (`split_parts.SplitFp16Parts`): hi = fp16(x), -lo = fp16(hi - x), -hi = fp16(-x);
+    side "a" [-lo, -hi, hi], side "b" [-hi, -lo, hi]."""
+    hi = x.to(cutlass.Float16)
+    if cutlass.const_expr(side == "a"):
+        parts[(None, 0)].store((hi.to(cutlass.Float32) - x).to(cutlass.Float16))
+        parts[(None, 1)].store((-x).to(cutlass.Float16))
+    else:
+        parts[(None, 0)].store((-x).to(cutlass.Float16))
+        parts[(None, 1)].store((hi.to(cutlass.Float32) - x).to(cutlass.Float16))
+    parts[(None, 2)].store(hi)
 
 
 @cute.jit
