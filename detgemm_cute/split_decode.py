@@ -34,7 +34,7 @@ import torch
 from . import split
 from .kernels import tensor_needs as needs
 
-MAX_M = 64  # above, X's rows read per block of W cost more than W's split saves
+MAX_M = 64  # above, X's rows (128 in fp32, 2 stages: 272 KiB) do not fit one CTA
 SM80_MAX_M = 32  # sm_80's 163 KiB cannot stage 64 rows of X
 X_FP32_M = 8  # rows of X (m_rows) from which X is staged as fp32 and split in registers
 ENV = "DETGEMM_CUTE_FP32_DECODE"
@@ -232,7 +232,7 @@ def stream_shape(m: int, n: int, k: int, device: torch.device):
 @functools.lru_cache(maxsize=4096)
 def default_shape(m: int, n: int, k: int, device: torch.device):
     """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
-    `ClusterShape` (`uses_cluster`) or a `launch_shape` tuple (one lookup per call)."""
+    `ClusterShape` (`uses_cluster`) or a `StreamShape` (one lookup per call)."""
     if uses_cluster(m, k, _capability(device)):
         return cluster_shape(m, k)
     return stream_shape(m, n, k, device)
@@ -267,7 +267,8 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                                                                      arch))
         fn(w, parts, sa, y, bias)
     else:
-        shape = StreamShape(*shape)
+        if not isinstance(shape, StreamShape):
+            shape = StreamShape(*shape)
         w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
         if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
             a = needs.conform(a, needs.SPLIT_ROWS)
