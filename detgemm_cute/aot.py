@@ -40,16 +40,42 @@ _TF32_MMA = {"sm90": ("wgmma.mma_async ... .f32.tf32.tf32",
 _LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m", "nk", "last"))
 
 
-def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None) -> list[str]:
+def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None,
+              pdl: bool = False) -> list[str]:
     """Problems with one kernel's PTX (empty when it passes); `family` is the registry arch
     of the kernel ("sm90" or "sm80"), which decides the instructions that must be there;
-    `dtype` "tf32" requires the family's TF32 MMA instead of its 16-bit one."""
+    `dtype` "tf32" requires the family's TF32 MMA instead of its 16-bit one; `pdl` (a kernel
+    launched with programmatic dependent launch) requires `griddepcontrol.wait` before the
+    first instruction that reads or writes global memory."""
     required = _REQUIRED[family]
     if dtype == "tf32":
         required = (_TF32_MMA[family],) + required[1:]
     problems = [f"missing {name}" for name, pat in required if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
+    if pdl:
+        problems += pdl_order_problems(ptx)
     return problems
+
+
+# Instructions that read or write global memory (a TMA load or store, a thread's load,
+# store or cp.async from global): with PDL, none may come before griddepcontrol.wait.
+_GLOBAL_ACCESS = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\S*|cp\.async\.bulk\.tensor\S*|"
+    r"cp\.async\.bulk\.(?!prefetch)\S*|cp\.async\.c[ag]\S*|cp\.reduce\.async\S*)", re.M)
+_GRID_WAIT = re.compile(r"^\s*griddepcontrol\.wait\s*;", re.M)
+
+
+def pdl_order_problems(ptx: str) -> list[str]:
+    """With PDL the kernel may run under the previous kernel's tail: every global access
+    must come after `griddepcontrol.wait` in the code (the kernels' prologues are straight
+    line, so code order is the order of execution up to the wait)."""
+    wait = _GRID_WAIT.search(ptx)
+    if wait is None:
+        return ["missing griddepcontrol.wait (a PDL kernel)"]
+    first = _GLOBAL_ACCESS.search(ptx)
+    if first is not None and first.start() < wait.start():
+        return [f"{first.group(1)} before griddepcontrol.wait (a PDL kernel)"]
+    return []
 
 
 def _split_variants(bucket, which: str):
@@ -194,7 +220,7 @@ def build_and_audit(key) -> tuple[list, float]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype)
+            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype, key.pdl)
         except Exception as e:  # report every bucket, not just the first failure
             problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
     return problems, time.time() - t0

@@ -71,9 +71,15 @@ class KernelKey:
     # 2-byte-aligned start (p @ v's softmax rows at an odd sequence length), with no copy
     # into padded rows (sm90, persistent, BM >= 64, BK = 64, 16-bit, no A multicast).
     a_loads: bool = False
+    # Launched with programmatic dependent launch (sm90 family; `pdl`): the CTAs set up under
+    # the previous kernel's tail and wait for it before their first global access.
+    pdl: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
+        from . import pdl
+
+        call.setdefault("pdl", pdl.enabled() and family_of(call.get("arch", "sm_90a")) == "sm90")
         call.setdefault("swap_ab", getattr(bucket, "swap_ab", False))
         call.setdefault("raster_n", getattr(bucket, "raster_n", False))
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
@@ -229,6 +235,11 @@ def _kernel_options(key: KernelKey) -> dict:
             raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "
                              f"{key.arch}")
         opts["raster_n"] = True
+    if key.pdl:
+        if family_of(key.arch) != "sm90":
+            raise ValueError(f"programmatic dependent launch (pdl) is for sm90 kernels, not "
+                             f"{key.arch}")
+        opts["pdl"] = True
     return opts
 
 

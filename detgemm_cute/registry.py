@@ -721,6 +721,12 @@ def on_change(callback) -> None:
     _listeners.append(callback)
 
 
+def invalidate() -> None:
+    """Drop every cached registry and plan, as a change of the user layers does (a launch
+    setting changed: `pdl.set_enabled`)."""
+    _changed()
+
+
 def _changed() -> None:
     global _generation
     _generation += 1
@@ -791,5 +797,6 @@ def get_registry(arch: str) -> Registry:
 __all__ = ["Bucket", "ConfigFile", "ConfigError", "NoBucketError", "ArchNotAvailable",
            "Registry", "get_registry", "build_registry", "load_config", "load_builtin",
            "add_config", "reset_user_configs", "user_configs", "generation", "on_change",
+           "invalidate",
            "coverage_gaps", "fmt_range", "show_path", "layer_label", "BUILTIN_DIR", "ENV_VAR",
            "OPS", "DTYPES", "LIMITS_MODULES"]

@@ -140,6 +140,7 @@ class Sm90Gemm(Sm90Base):
         (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
+        self._wait_for_previous_grid()
         place = self._place(mC_mn, None, (tile_m, tile_n, tile_l))
         tAgA_k, tBgB_k = self._tile_loads(src, place)
         gC = self._tile_c(mC_mn, place)
@@ -346,6 +347,7 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         (ab_pipeline, sA, sB, sC, tAsA, tBsB, src, a_mask, b_mask, k_tiles) = self._setup(
             storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
             epi_smem_layout_staged, mA_mk, mB_nk, tma_atom_a, tma_atom_b)
+        self._wait_for_previous_grid()
         groups = None
         if cutlass.const_expr(self.grouped):
             table = storage.group_first.get_tensor(cute.make_layout(GROUP_TABLE))

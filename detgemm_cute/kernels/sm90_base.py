@@ -73,8 +73,12 @@ class Sm90Base:
 
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
-                 raster_n: bool = False, c_direct: bool = False, a_loads: bool = False):
+                 raster_n: bool = False, c_direct: bool = False, a_loads: bool = False,
+                 pdl: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        # Programmatic dependent launch: the kernel may start while the previous kernel in the
+        # stream drains, and waits for it (griddepcontrol.wait) before its first global access.
+        self.pdl = pdl
         # The producer warpgroup reads A itself instead of TMA (any row pitch, 2-byte
         # aligned: rows TMA cannot address): 16-byte chunks into a raw ring, shifted into the
         # swizzled stage (sm90_a_rows.py); B still arrives by TMA (persistent kernels).
@@ -200,7 +204,7 @@ class Sm90Base:
                     self.tiled_mma, self.cta_layout_mnk, a_smem, b_smem, epi_smem, *extra_args,
                     ).launch(grid=grid, block=[self.threads_per_cta, 1, 1],
                              cluster=(*self.cluster_shape_mn, 1), stream=stream,
-                             **extra_launch)
+                             use_pdl=self.pdl, **extra_launch)
 
     def _shared_storage(self, a_smem, b_smem, epi_smem):
         """The CTA's shared memory: stage barriers (grouped: and the groups' first-tile
@@ -250,6 +254,15 @@ class Sm90Base:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
         tidx, _, _ = cute.arch.thread_idx()
         return warp_idx, tidx
+
+    @cute.jit
+    def _wait_for_previous_grid(self):
+        """With `pdl`: wait until the previous kernel in the stream has completed and its
+        memory is visible (the barriers and descriptors were set up under its tail), then let
+        the next kernel start its own set-up. Called before the CTA's first global access."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def _setup(self, storage, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
