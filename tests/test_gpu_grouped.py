@@ -2,7 +2,8 @@
 
 - every grouped bucket, forced: each group's rows have the bits of `dg.mm` on those rows
   and that group's weight alone (a 2-D GEMM from another table and tile), for groups empty,
-  shorter than a tile, exactly a tile, a tile and a row, and many tiles; rows past the last
+  shorter than a tile, exactly a tile, a tile and a row, many tiles, and last tiles around
+  half a tile (where a two-warpgroup tile runs its first half alone); rows past the last
   group are +0.0; weights with K or N contiguous or staged (K not a multiple of 8); odd N;
   fp32 output; outputs land in NaN-poisoned memory;
 - the ping-pong grouped kernel (a user layer) likewise, with trailing empty groups;
@@ -51,8 +52,12 @@ def _assert_groups(y, x, w, sizes, out_dtype=None):
 
 
 def _sizes(bm):
-    """Group sizes that cut a BM-row tile every way: empty, short, exact, one over, many."""
-    return [0, 1, bm - 1, bm, bm + 1, 0, 3 * bm + 17, 5, 2 * bm]
+    """Group sizes that cut a BM-row tile every way: empty, short, exact, one over, many;
+    and a last tile holding exactly half a tile, or one row more, of its group (a tile of
+    two warpgroups runs the first half alone up to there, in place, else moves back)."""
+    half = bm // 2
+    return [0, 1, bm - 1, bm, bm + 1, 0, 3 * bm + 17, 5, 2 * bm, half, half + 1,
+            bm + half, bm + half + 1, 2 * bm + half - 1]
 
 
 @pytest.mark.parametrize("name", _buckets())

@@ -208,3 +208,20 @@ def test_grouped_k_block_of_the_table_is_the_fit_of_its_record(bench):
         text = f.read()
     assert fg.replace_block(text, block, "grouped_k") == text
 
+
+
+def test_compare_moe_on_the_stored_ab_records(bench, capsys):
+    """bench/compare_moe.py on the committed A/B pair: every layer of both runs in the
+    table, the per-pass summaries, and a refusal for records with no layer in common."""
+    import compare_moe
+
+    stem = os.path.join(BENCH, "results", "grouped-half-tile-ab_nvidia-h100-80gb-hbm3")
+    old, new = stem + "_old.json.gz", stem + "_new.json.gz"
+    rows = compare_moe.compare(compare_moe.load(old), compare_moe.load(new))
+    assert len(rows) == 96 and all(r["bits"] for r in rows)
+    assert compare_moe.main([old, new, "--title", "t"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# t") and "| fwd, all | 48 |" in text and "| dx, all | 48 |" in text
+    assert text.count("\n| ") == 1 + 8 + 1 + 96  # header, summaries, header, layers
+    assert compare_moe.main([old, os.path.join(BENCH, "results", "moe_nvidia-h100-80gb-hbm3"
+                                                ".json.gz").replace("moe_", "pdl_")]) == 1

@@ -41,16 +41,20 @@ def test_switch_drops_plans_and_checks_its_argument(pdl_restored):
         pdl.set_enabled(1)
 
 
-def test_env_var_turns_it_off():
+def test_off_by_default_and_the_env_var_turns_it_on():
     import os
     import subprocess
     import sys
 
     code = "from detgemm_cute import pdl; print(pdl.enabled())"
-    for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
+    for value, want in (("0", "False"), ("off", "False"), ("1", "True"), ("on", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, pdl.ENV_VAR: value}, check=True)
         assert out.stdout.strip() == want, value
+    env = {k: v for k, v in os.environ.items() if k != pdl.ENV_VAR}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_sm80_builds_refuse_pdl():

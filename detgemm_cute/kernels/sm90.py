@@ -269,17 +269,25 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         stored by TMA, the one tile of a group shorter than BM row by row. Ping-pong: the
         mainloop runs in this consumer's MMA turn and the stores in its epilogue turn (from
         buffer 0, drained before the turn passes), as in `Sm90GemmPingpong`; a tile that
-        stores or reads nothing still takes both turns, so the consumers keep alternating."""
+        stores or reads nothing still takes both turns, so the consumers keep alternating.
+        Cooperative tiles (`halves_idle`): a warpgroup with none of the group's rows passes
+        the stages without MMAs; its accumulators stay +0.0 and are never stored."""
         if cutlass.const_expr(self.pingpong):
             self._turn_wait(consumer, _MMA_TURN)
+        idle = False  # this warpgroup's 64 rows all lie past the group's end
+        if cutlass.const_expr(self.halves_idle):
+            idle = place.rows <= consumer * (self.tile_shape_mnk[0] // 2)
         if place.rows > 0:
             acc.fill(0.0)
             if place.loads:
                 read.reset_count()
                 release.reset_count()
-                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma, acc,
-                                                  tCrA, tCrB, k_tiles, None,
-                                                  drain=not self.pingpong)
+                if idle:
+                    read, release = self._pass_stages(ab_pipeline, read, release, k_tiles)
+                else:
+                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
+                                                      acc, tCrA, tCrB, k_tiles, None,
+                                                      drain=not self.pingpong)
         if cutlass.const_expr(self.pingpong):
             self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
         if place.rows > 0:
@@ -304,6 +312,19 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                                  cute.size(mC, mode=[1]) - place.n * bn - place.off_n)
         if cutlass.const_expr(self.pingpong):
             self._turn_pass(1 - consumer, _EPI_TURN)
+        return read, release
+
+    @cute.jit
+    def _pass_stages(self, ab_pipeline, read, release, k_tiles):
+        """Take the tile's k tiles in turn as `_mainloop` does (wait for each stage, release
+        the one before), with no MMA; the caller releases the last one, as after it."""
+        ab_pipeline.consumer_wait(read)
+        read.advance()
+        for _k in cutlass.range(1, k_tiles, 1, unroll=1):
+            ab_pipeline.consumer_wait(read)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            read.advance()
         return read, release
 
     @cute.jit

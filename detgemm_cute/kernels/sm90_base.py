@@ -107,6 +107,9 @@ class Sm90Base:
         # Warpgroups that compute one tile together (the tiled MMA), and consumer warpgroups
         # in the CTA: the same, except in ping-pong, where each of two runs a tile alone.
         self.tile_warp_groups = sm90_limits.warpgroups(tile[0], tile[1], chunked, self.pingpong)
+        # Grouped, cooperative, two warpgroups of 64 rows each: a warpgroup whose rows all lie
+        # past its group's end skips its MMAs (`_grouped_tile`).
+        self.halves_idle = self.grouped and not self.pingpong and self.tile_warp_groups == 2
         self.mma_warp_groups = 2 if self.pingpong else self.tile_warp_groups
         self.atom_layout_mnk = (self.tile_warp_groups, 1, 1)
         # Threads that consume each stage and share one epilogue.
@@ -433,9 +436,11 @@ class Sm90Base:
         row tile starts at its group's start + i * BM; the last one of a group of at least
         BM rows moves back to end at the group's end (its first rows are also computed by
         the tile before it, with the same chain and weight: the same bits); a group shorter
-        than BM has one tile whose rows past the group are computed but not stored. The
-        rows past the last group form one more group that reads nothing and stores zeros.
-        Tiles past the last one store nothing."""
+        than BM has one tile whose rows past the group are computed but not stored. With
+        `halves_idle`, a last tile that holds at most BM/2 of the group's rows stays in place
+        instead (its rows stored one by one): the warpgroup of its second half has none of
+        the group's rows and skips its MMAs. The rows past the last group form one more group
+        that reads nothing and stores zeros. Tiles past the last one store nothing."""
         mOffs, table = groups
         bm, bn, _ = self.tile_shape_mnk
         cn = self.cluster_shape_mn[1]
@@ -459,8 +464,12 @@ class Sm90Base:
         rows = end - start
         row0 = start + (local % row_tiles) * bm
         if rows >= bm:
-            row0 = cutlass.min(row0, end - bm)
-        stored = cutlass.min(rows, bm)
+            if cutlass.const_expr(self.halves_idle):
+                if end - row0 > bm // 2:  # else: the first half alone, in place
+                    row0 = cutlass.min(row0, end - bm)
+            else:
+                row0 = cutlass.min(row0, end - bm)
+        stored = cutlass.min(end - row0, bm)
         if order >= table[count + 1] * columns:
             stored = 0
         n = (local // row_tiles) * cn + tile[1] % cn
