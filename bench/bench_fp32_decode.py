@@ -17,9 +17,7 @@ Bits: every detgemm unit against `split_path` on the first input set.
 """
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +25,8 @@ import torch
 import detgemm_cute as dg
 from detgemm_cute import split_decode
 from detgemm_cute.benchlib import gpu
-from detgemm_cute.benchlib.fmt import device_slug, json_default
+from detgemm_cute.benchlib.fmt import device_slug
+from detgemm_cute.benchlib.runner import run_time_boxed
 from detgemm_cute.benchlib.stats import geomean
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
 from bench_fp32 import sgemm
@@ -172,24 +171,15 @@ def main() -> int:
     if err:
         print(f"bench_fp32_decode: {err}", file=sys.stderr)
         return 1
-    t0 = time.time()
     ms = [int(v) for v in args.m_list.split(",")] if args.m_list else DECODE_M
     kns = ([tuple(int(x) for x in p.split("x")) for p in args.kn.split(",")] if args.kn
            else DECODE_KN)
     meta, l2, cap = gpu.device_meta(), gpu.l2_bytes(), torch.cuda.Stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    stem = Path(args.out) / f"fp32-decode_{device_slug(meta['device'])}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    for k, n, m in [(k, n, m) for k, n in kns for m in ms]:
-        if time.time() - t0 > args.max_seconds:
-            gpu.log(f"time box reached after {len(rows)} problems")
-            break
-        rows.append(measure(m, k, n, args.sweep, l2, cap, sms))
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"device": meta, "rows": rows}, indent=1, default=json_default))
-    stem.with_suffix(".md").write_text("\n".join(report(rows, meta)) + "\n")
-    gpu.log(f"wrote {stem}.md/.json")
+    run_time_boxed([(k, n, m) for k, n in kns for m in ms],
+                   lambda p: measure(p[2], p[0], p[1], args.sweep, l2, cap, sms),
+                   Path(args.out) / f"fp32-decode_{device_slug(meta['device'])}", meta,
+                   args.max_seconds, report)
     return 0
 
 

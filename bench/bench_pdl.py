@@ -16,7 +16,6 @@ Bits: the `pdl` output equals the `no_pdl` output on the first input set.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ import torch
 from detgemm_cute import functional, pdl
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.checks import same_bits
-from detgemm_cute.benchlib.fmt import device_slug, json_default
+from detgemm_cute.benchlib.fmt import device_slug
+from detgemm_cute.benchlib.runner import run_time_boxed
 from detgemm_cute.benchlib.shapes import Problem
 from detgemm_cute.benchlib.stats import geomean
 from detgemm_cute.benchlib.timing import TimingPlan, make_sets, time_units
@@ -139,23 +139,15 @@ def main() -> int:
     if err:
         print(f"bench_pdl: {err}", file=sys.stderr)
         return 1
-    t0 = time.time()
     meta, l2, cap = gpu.device_meta(), gpu.l2_bytes(), torch.cuda.Stream()
-    stem = Path(args.out) / f"pdl_{device_slug(meta['device'])}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for p in problems(args.quick):
-        if time.time() - t0 > args.max_seconds:
-            gpu.log(f"time box reached after {len(rows)} problems")
-            break
-        rows.append(measure(p, l2, cap))
-        gpu.log(f"{p.op} {p.m}x{p.k}x{p.n}: pdl {_fmt(rows[-1]['pdl'])} no_pdl "
-                f"{_fmt(rows[-1]['no_pdl'])} op+pdl {_fmt(rows[-1]['op+pdl'])} op+no_pdl "
-                f"{_fmt(rows[-1]['op+no_pdl'])}")
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"device": meta, "rows": rows}, indent=1, default=json_default))
-    stem.with_suffix(".md").write_text("\n".join(report(rows, meta)) + "\n")
-    gpu.log(f"wrote {stem}.md/.json")
+
+    def log(p, row):
+        gpu.log(f"{p.op} {p.m}x{p.k}x{p.n}: pdl {_fmt(row['pdl'])} no_pdl {_fmt(row['no_pdl'])}"
+                f" op+pdl {_fmt(row['op+pdl'])} op+no_pdl {_fmt(row['op+no_pdl'])}")
+
+    run_time_boxed(problems(args.quick), lambda p: measure(p, l2, cap),
+                   Path(args.out) / f"pdl_{device_slug(meta['device'])}", meta, args.max_seconds,
+                   report, log)
     return 0
 
 

@@ -53,21 +53,26 @@ def _both(run):
     return on
 
 
+def _chain(x, weights, step):
+    """run(sync) for `_both`: y = step(y, w) for each weight in turn, each reading the output
+    the kernel before it wrote; every output kept."""
+    def run(sync):
+        y, outs = x, []
+        for w in weights:
+            y = step(y, w)
+            outs.append(y)
+            sync()
+        return outs
+
+    return run
+
+
 @pytest.mark.parametrize("m", [1, 40, 300, 2048])
 def test_dependent_linear_chain(m):
     d = 1024
     x = rand(m, d)
     layers = [(rand(d, d) * d ** -0.5, rand(d)) for _ in range(10)]
-
-    def run(sync):
-        y, outs = x, []
-        for w, b in layers:
-            y = dg.linear(y, w, b)
-            outs.append(y)
-            sync()
-        return outs
-
-    _both(run)
+    _both(_chain(x, layers, lambda y, wb: dg.linear(y, *wb)))
 
 
 def test_dependent_chain_in_a_graph():
@@ -141,16 +146,7 @@ def test_grouped_gemms_feed_each_other():
     offs = group_ends(sizes)
     x = rand(tokens, d)
     ws = [rand(experts, d, d) * d ** -0.5 for _ in range(4)]
-
-    def run(sync):
-        y, outs = x, []
-        for w in ws:
-            y = dg.grouped_mm(y, w, offs)
-            outs.append(y)
-            sync()
-        return outs
-
-    _both(run)
+    _both(_chain(x, ws, lambda y, w: dg.grouped_mm(y, w, offs)))
 
 
 def test_bmm_chain():
