@@ -696,14 +696,21 @@ class Sm90Base:
 
     @cute.jit
     def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
-                  c_pipeline, buf_base, barrier):
+                  c_pipeline, buf_base, barrier, direct: cutlass.Constexpr = False):
         """Round once to the output dtype, stage through shared memory, TMA-store; with
-        `c_direct` (gC: the tile and C's extent from its start), the tile's threads store
-        the staged sub-tiles instead (`_store_staged`)."""
+        `c_direct` or `direct` (gC: the tile and C's extent from its start), the tile's
+        threads store the staged sub-tiles instead (`_store_staged`). `direct` in a kernel
+        that TMA-stores its other tiles (a grouped tile that ends inside the tile): the TMA
+        stores of earlier tiles finish reading the staging buffers first."""
+        by_threads = self.c_direct or direct
         r2s, tRS_sD, tRS_rAcc, tRS_rD, out = self._staging(acc, tiled_mma, mma_tidx, sC)
         n_rd = cute.size(tRS_rD)
-        if cutlass.const_expr(self.c_direct):
+        if cutlass.const_expr(by_threads):
             gC, rows, cols = gC
+        if cutlass.const_expr(direct and not self.c_direct):
+            if is_store_warp:
+                c_pipeline.producer_tail()
+            barrier.arrive_and_wait()
         gC_epi = cute.zipped_divide(gC, self.store_tile)
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
@@ -711,7 +718,7 @@ class Sm90Base:
         if cutlass.const_expr(self.row_tile):
             sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
         bSG_sD, bSG_gD = None, None
-        if cutlass.const_expr(not self.c_direct):
+        if cutlass.const_expr(not by_threads):
             bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                 tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
         for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
@@ -721,7 +728,7 @@ class Sm90Base:
             buf = (buf_base + epi_idx) % self.epi_stage
             cute.copy(r2s, out, tRS_sD[(None, None, None, buf)])
             coord = epi_layout.get_hier_coord(epi_idx)
-            if cutlass.const_expr(self.c_direct):
+            if cutlass.const_expr(by_threads):
                 barrier.arrive_and_wait()
                 self._store_staged(sC_store[(None, None, buf)],
                                    cute.local_tile(gC, self.store_tile, coord),
