@@ -46,8 +46,8 @@ def compare(old: list[dict], new: list[dict]) -> list[dict]:
     out = []
     for r in new:
         o = by_key.get(_key(r))
-        if o is None or not r["us"].get("detgemm") or not o["us"].get("detgemm"):
-            continue
+        if o is None or any(not rec["us"].get(k) for rec in (r, o) for k in ("detgemm",) + TORCH):
+            continue  # a unit that failed or did not run in either record
         out.append({"model": r["model"], "tokens": r["tokens"], "proj": r["proj"],
                     "pass": r["pass"], "rows_per_expert": r["rows"] / r["experts"],
                     "old_us": o["us"]["detgemm"], "new_us": r["us"]["detgemm"],

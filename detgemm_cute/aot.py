@@ -58,9 +58,10 @@ def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None,
 
 
 # Instructions that read or write global memory (a TMA load or store, a thread's load,
-# store or cp.async from global): with PDL, none may come before griddepcontrol.wait.
+# store, atomic or cp.async from global, with any qualifiers before `.global`): with PDL,
+# none may come before griddepcontrol.wait.
 _GLOBAL_ACCESS = re.compile(
-    r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\S*|cp\.async\.bulk\.tensor\S*|"
+    r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red)(?:\.\w+)*\.global\S*|cp\.async\.bulk\.tensor\S*|"
     r"cp\.async\.bulk\.(?!prefetch)\S*|cp\.async\.c[ag]\S*|cp\.reduce\.async\S*)", re.M)
 _GRID_WAIT = re.compile(r"^\s*griddepcontrol\.wait\s*;", re.M)
 

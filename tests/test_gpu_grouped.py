@@ -100,6 +100,29 @@ def test_pingpong_grouped_matches_mm(tmp_path, tile, cluster, stages):
             _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
 
 
+# Cooperative grouped tiles no built-in bucket uses, as a user layer: a 256-row tile (two
+# warpgroups holding alternate 64-row blocks), a 64-row one, a 128-row one on one CTA.
+COOPERATIVE = [((256, 128, 64), (1, 2), 4), ((64, 128, 64), (1, 1), 6), ((128, 128, 64), (1, 1), 6)]
+
+
+@pytest.mark.parametrize("tile,cluster,stages", COOPERATIVE)
+def test_user_layer_grouped_tiles_match_mm(tmp_path, tile, cluster, stages):
+    path = tmp_path / "coop.yaml"
+    path.write_text(f"arch: sm90\nbuckets:\n  - name: gco\n    op: grouped\n"
+                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n    tile: {list(tile)}\n"
+                    f"    cluster: {list(cluster)}\n    stages: {stages}\n"
+                    f"    persistent: true\n")
+    registry.add_config(path)  # conftest removes user layers after every test
+    bm = tile[0]
+    sizes = _sizes(bm) + [100, 300, 64, 200, 5, 256, 3 * bm // 4, bm // 4 + 1, bm // 4]
+    k, n = 320, 2 * tile[1] + 8
+    x = rand(sum(sizes) + 3, k)
+    w = _weights(len(sizes), k, n, "k")
+    with dg.force_bucket("gco"):
+        poison()
+        _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
+
+
 @pytest.mark.parametrize("k,n", [(100, 300), (64, 8), (4096, 2048)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_layouts_and_sizes(k, n, dtype):

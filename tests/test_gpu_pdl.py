@@ -36,13 +36,16 @@ def _sm90_pdl_restored():
 
 
 def _both(run):
-    """run(sync) -> list of outputs, with PDL on (no syncs) and off (a sync after each
-    call); asserts equal bits element by element and returns the PDL outputs."""
+    """run(sync) -> list of outputs, with PDL off (a sync after each call), then on (no
+    syncs; after one warm-up run, so no compile or plan sits between two launches); asserts
+    equal bits element by element and returns the PDL outputs."""
     pdl.set_enabled(False)
     poison()
     off = run(torch.cuda.synchronize)
     torch.cuda.synchronize()
     pdl.set_enabled(True)
+    run(lambda: None)  # warm-up: every PDL kernel compiled or loaded and planned, so the
+    torch.cuda.synchronize()  # checked run below launches them back to back
     poison()
     on = run(lambda: None)
     torch.cuda.synchronize()

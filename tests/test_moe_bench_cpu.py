@@ -210,9 +210,10 @@ def test_grouped_k_block_of_the_table_is_the_fit_of_its_record(bench):
 
 
 
-def test_compare_moe_on_the_stored_ab_records(bench, capsys):
+def test_compare_moe_on_the_stored_ab_records(bench, capsys, tmp_path):
     """bench/compare_moe.py on the committed A/B pair: every layer of both runs in the
-    table, the per-pass summaries, and a refusal for records with no layer in common."""
+    table, the per-pass summaries; a refusal for a file that is no bench_moe record and for
+    two records with no layer in common."""
     import compare_moe
 
     stem = os.path.join(BENCH, "results", "grouped-half-tile-ab_nvidia-h100-80gb-hbm3")
@@ -225,3 +226,11 @@ def test_compare_moe_on_the_stored_ab_records(bench, capsys):
     assert text.count("\n| ") == 1 + 8 + 1 + 96  # header, summaries, header, layers
     assert compare_moe.main([old, os.path.join(BENCH, "results", "moe_nvidia-h100-80gb-hbm3"
                                                 ".json.gz").replace("moe_", "pdl_")]) == 1
+    other = compare_moe.load(new)  # the same layers under other model names: none in common
+    for r in other:
+        r["model"] = "x-" + r["model"]
+    renamed = tmp_path / "other.json.gz"
+    with gzip.open(renamed, "wt") as f:
+        json.dump({"rows": other}, f)
+    assert compare_moe.main([old, str(renamed)]) == 1
+    assert "no layer is in both records" in capsys.readouterr().err

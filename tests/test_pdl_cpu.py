@@ -92,9 +92,31 @@ def test_order_audit_flags_a_global_access_before_the_wait():
     for early in ("\tld.global.nc.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];",
                   "\t@%p1 st.global.f32 [%rd2], %f1;",
                   "\tcp.async.bulk.tensor.2d.shared::cluster.global.tile [%r2];",
-                  "\tcp.async.ca.shared.global [%r3], [%rd3], 16;"):
+                  "\tcp.async.ca.shared.global [%r3], [%rd3], 16;",
+                  "\tld.volatile.global.u32 %r4, [%rd4];",
+                  "\tld.acquire.gpu.global.u32 %r5, [%rd5];",
+                  "\tred.global.add.f32 [%rd6], %f2;",
+                  "\tatom.global.cas.b32 %r6, [%rd7], 0, 1;"):
         problems = aot.pdl_order_problems(early + tail)
         assert len(problems) == 1 and "before griddepcontrol.wait" in problems[0], early
     # A TMA descriptor prefetch or an L2 prefetch reads nothing into the CTA: allowed.
     assert aot.pdl_order_problems("\tprefetch.tensormap [%rd1];\n"
                                   "\tcp.async.bulk.prefetch.L2.global [%rd2], 64;" + tail) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grouped", "grouped_k", "a_loads", "c_direct", "split"])
+def test_pdl_kernels_of_every_kind_wait_first(tmp_path, kind):
+    """The other kernel kinds with PDL: grouped (offs read on the device), grouped along K,
+    A read by the producer warpgroup, thread-stored C, the fp32 tier's split operands."""
+    call = dict(_CALL, has_bias=False)
+    extra = {"grouped": dict(grouped=True, b_form="kn"),
+             "grouped_k": dict(grouped_k=True, a_major="m", b_form="kn", out_dtype="fp32"),
+             "a_loads": dict(a_loads=True, batched=True),
+             "c_direct": dict(c_direct=True, batched=True),
+             "split": dict(split=True, dtype="fp16", out_dtype="fp32")}[kind]
+    key = kcompile.KernelKey(tile=(128, 128, 64), cluster=(1, 1), stages=4, persistent=True,
+                             arch="sm_90a", pdl=True, **{**call, **extra})
+    ptx = kcompile.build(key, f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert aot.audit_ptx(ptx, "sm90", key.dtype, pdl=True) == []
+    assert ptx.count("griddepcontrol.wait;") == 1

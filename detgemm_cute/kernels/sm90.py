@@ -275,7 +275,7 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         that ends inside it is stored by the threads: from registers up to BM/4 rows (and in
         ping-pong), else staged through shared memory like a full tile, each warp storing a
         run of consecutive elements (1.06-1.15x the layer's speed at 64-96 rows per expert,
-        bench/results/grouped-partial-store-ab_*; 0.98x at 8-16 rows, hence registers)."""
+        bench/results/grouped-partial-store-ab_*; 0.98-1.00x at 8-16, hence registers)."""
         if cutlass.const_expr(self.pingpong):
             self._turn_wait(consumer, _MMA_TURN)
         idle = False  # this warpgroup's 64 rows all lie past the group's end

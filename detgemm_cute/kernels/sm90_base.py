@@ -107,9 +107,11 @@ class Sm90Base:
         # Warpgroups that compute one tile together (the tiled MMA), and consumer warpgroups
         # in the CTA: the same, except in ping-pong, where each of two runs a tile alone.
         self.tile_warp_groups = sm90_limits.warpgroups(tile[0], tile[1], chunked, self.pingpong)
-        # Grouped, cooperative, two warpgroups of 64 rows each: a warpgroup whose rows all lie
-        # past its group's end skips its MMAs (`_grouped_tile`).
-        self.halves_idle = self.grouped and not self.pingpong and self.tile_warp_groups == 2
+        # Grouped, cooperative, a 128-row tile on two warpgroups (rows 0-63 and 64-127; a
+        # 256-row tile interleaves their 64-row blocks): a warpgroup whose rows all lie past
+        # its group's end skips its MMAs (`_grouped_tile`).
+        self.halves_idle = (self.grouped and not self.pingpong and self.tile_warp_groups == 2
+                            and tile[0] == 128)
         self.mma_warp_groups = 2 if self.pingpong else self.tile_warp_groups
         self.atom_layout_mnk = (self.tile_warp_groups, 1, 1)
         # Threads that consume each stage and share one epilogue.
