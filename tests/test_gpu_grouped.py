@@ -77,6 +77,17 @@ def test_every_grouped_bucket_matches_mm(name, layout):
         _assert_groups(y32, x, w, sizes, out_dtype=torch.float32)
 
 
+def _user_layer(tmp_path, tile, cluster, stages, pingpong):
+    """A user layer with one grouped bucket, `user_grouped`, for every M (conftest removes
+    user layers after every test)."""
+    path = tmp_path / "grouped.yaml"
+    path.write_text(f"arch: sm90\nbuckets:\n  - name: user_grouped\n    op: grouped\n"
+                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n    tile: {list(tile)}\n"
+                    f"    cluster: {list(cluster)}\n    stages: {stages}\n"
+                    f"    persistent: true\n    pingpong: {str(pingpong).lower()}\n")
+    registry.add_config(path)
+
+
 # Ping-pong grouped kernels (two consumer warpgroups on alternate tiles) as a user layer: the
 # table may or may not pick one, so the path is proven here either way.
 PINGPONG = [((128, 192, 64), (1, 2), 5), ((128, 128, 64), (1, 1), 6), ((64, 256, 64), (1, 2), 5)]
@@ -84,18 +95,13 @@ PINGPONG = [((128, 192, 64), (1, 2), 5), ((128, 128, 64), (1, 1), 6), ((64, 256,
 
 @pytest.mark.parametrize("tile,cluster,stages", PINGPONG)
 def test_pingpong_grouped_matches_mm(tmp_path, tile, cluster, stages):
-    path = tmp_path / "pp.yaml"
-    path.write_text(f"arch: sm90\nbuckets:\n  - name: gpp\n    op: grouped\n"
-                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n    tile: {list(tile)}\n"
-                    f"    cluster: {list(cluster)}\n    stages: {stages}\n"
-                    f"    persistent: true\n    pingpong: true\n")
-    registry.add_config(path)  # conftest removes user layers after every test
+    _user_layer(tmp_path, tile, cluster, stages, pingpong=True)
     sizes = _sizes(tile[0]) + [0, 0, 5 * tile[0] + 3]  # trailing empty groups: skipped tiles
     k, n = 320, 3 * tile[1] + 8
     x = rand(sum(sizes) + 7, k)
     for layout in ("k", "n"):
         w = _weights(len(sizes), k, n, layout)
-        with dg.force_bucket("gpp"):
+        with dg.force_bucket("user_grouped"):
             poison()
             _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
 
@@ -107,18 +113,13 @@ COOPERATIVE = [((256, 128, 64), (1, 2), 4), ((64, 128, 64), (1, 1), 6), ((128, 1
 
 @pytest.mark.parametrize("tile,cluster,stages", COOPERATIVE)
 def test_user_layer_grouped_tiles_match_mm(tmp_path, tile, cluster, stages):
-    path = tmp_path / "coop.yaml"
-    path.write_text(f"arch: sm90\nbuckets:\n  - name: gco\n    op: grouped\n"
-                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n    tile: {list(tile)}\n"
-                    f"    cluster: {list(cluster)}\n    stages: {stages}\n"
-                    f"    persistent: true\n")
-    registry.add_config(path)  # conftest removes user layers after every test
+    _user_layer(tmp_path, tile, cluster, stages, pingpong=False)
     bm = tile[0]
     sizes = _sizes(bm) + [100, 300, 64, 200, 5, 256, 3 * bm // 4, bm // 4 + 1, bm // 4]
     k, n = 320, 2 * tile[1] + 8
     x = rand(sum(sizes) + 3, k)
     w = _weights(len(sizes), k, n, "k")
-    with dg.force_bucket("gco"):
+    with dg.force_bucket("user_grouped"):
         poison()
         _assert_groups(dg.grouped_mm(x, w, group_ends(sizes)), x, w, sizes)
 
