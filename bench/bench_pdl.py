@@ -25,7 +25,7 @@ import torch
 from detgemm_cute import functional, pdl
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.checks import same_bits
-from detgemm_cute.benchlib.fmt import device_slug
+from detgemm_cute.benchlib.fmt import device_slug, fmt_num
 from detgemm_cute.benchlib.runner import run_time_boxed
 from detgemm_cute.benchlib.shapes import Problem
 from detgemm_cute.benchlib.stats import geomean
@@ -87,11 +87,7 @@ def measure(problem: Problem, l2, cap) -> dict:
 
 
 def _fmt(v):
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _ratio(a, b):
-    return None if not a or not b else b / a
+    return fmt_num(v, "{:.2f}")
 
 
 def report(rows, meta) -> list[str]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import sys
+
+from detgemm_cute.benchlib.stats import geomean
 
 TORCH = ("torch_grouped_mm", "torch_loop")
 
@@ -34,10 +35,6 @@ def load(path: str) -> list[dict]:
 
 def _key(r):
     return r["model"], r["tokens"], r["proj"], r["pass"]
-
-
-def _geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def compare(old: list[dict], new: list[dict]) -> list[dict]:
@@ -71,10 +68,10 @@ def render(rows: list[dict], title: str) -> str:
                 continue
             lines.append(
                 f"| {p}, {label} | {len(sel)} "
-                f"| {_geomean([r['old_us'] / r['new_us'] for r in sel]):.3f}x "
-                f"| {_geomean([r['old_speed'] for r in sel]):.3f}x -> "
-                f"{_geomean([r['new_speed'] for r in sel]):.3f}x "
-                f"| {_geomean([r['old_torch_us'] / r['new_torch_us'] for r in sel]):.3f} |")
+                f"| {geomean([r['old_us'] / r['new_us'] for r in sel]):.3f}x "
+                f"| {geomean([r['old_speed'] for r in sel]):.3f}x -> "
+                f"{geomean([r['new_speed'] for r in sel]):.3f}x "
+                f"| {geomean([r['old_torch_us'] / r['new_torch_us'] for r in sel]):.3f} |")
     lines += ["", "| model | tokens | proj | pass | rows per expert | old us | new us | old/new "
               "| torch old us | torch new us | speed old | speed new | group == dg.mm |",
               "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -440,7 +440,7 @@ class Sm90Base:
         the tile before it, with the same chain and weight: the same bits); a group shorter
         than BM has one tile whose rows past the group are computed but not stored. With
         `halves_idle`, a last tile that holds at most BM/2 of the group's rows stays in place
-        instead (its rows stored one by one): the warpgroup of its second half has none of
+        instead (stored by the threads, `Sm90GemmPersistent._grouped_tile`): the warpgroup of its second half has none of
         the group's rows and skips its MMAs. The rows past the last group form one more group
         that reads nothing and stores zeros. Tiles past the last one store nothing."""
         mOffs, table = groups
