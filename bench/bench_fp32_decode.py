@@ -7,13 +7,14 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 - `stream` / `cluster`: the two fused kernels at their default shapes, forced
   (`SplitGemvFp32`; `ClusterGemvFp32` on sm_90 where M <= CLUSTER_M or with the cluster
   sweep), whichever the path picks;
-- `fused_*` / `cluster_*` (``--sweep``): the kernels at each shape `SWEEP` and
-  `CLUSTER_BUDGETS` give, forced;
+- `fused_*` / `cluster_*` / `tile_*` / `inline_*` (``--sweep``): the kernels at each
+  shape `SWEEP`, `CLUSTER_BUDGETS`, `TILE_SWEEP` and `INLINE_SWEEP` give, forced;
 - `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
   floor of any kernel that reads the fp32 weight.
 Bits: every detgemm unit against `split_path` on the first input set.
 
-    python bench/bench_fp32_decode.py --out $OUT [--sweep [cluster|stream]] [--max-seconds 300]
+    python bench/bench_fp32_decode.py --out $OUT [--sweep [cluster|stream|tile|inline]]
+        [--max-seconds 300]
 """
 
 import argparse
@@ -42,13 +43,20 @@ SWEEP = [(8, 2, 4, 2, False), (8, 2, 3, 2, False), (8, 4, 2, 2, False), (8, 1, 6
          (4, 2, 4, 2, False), (16, 1, 2, 1, True), (16, 1, 3, 1, True), (8, 2, 2, 1, True),
          (8, 2, 2, 2, True), (8, 1, 2, 1, True), (8, 1, 2, 2, True), (8, 2, 3, 2, True),
          (8, 2, 4, 2, True)]
+# (rows, group, stages, CTAs per SM) of the tile sweep (`SplitTileFp32`, M 9..64).
+TILE_SWEEP = [(r, g, s, c) for r in (16, 32, 64)
+              for g, s in ((2, 4), (2, 3), (2, 2), (4, 3), (4, 2)) for c in (1, 2)]
+# (rows, group, stages, CTAs per SM) of the streaming kernel with X's scales taken in the
+# kernel (X in fp32, M <= 16).
+INLINE_SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 2, 2, 2), (8, 1, 4, 2), (8, 4, 2, 2),
+                (8, 2, 3, 1), (16, 1, 3, 1), (16, 2, 2, 1)]
 # Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
 CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
 
-FORCED = ("fused_", "cluster", "stream")  # units that force one kernel and shape
+FORCED = ("fused_", "cluster", "stream", "tile", "inline")  # units that force one kernel and shape
 
 
 def split_path(s):
@@ -65,6 +73,30 @@ def forced(m, n, rows, group, stages, per_sm, sms, x_fp32=False):
         return None
     shape = split_decode.StreamShape(m_rows, rows, group, stages,
                                      min(-(-n // rows), per_sm * sms), x_fp32)
+    return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
+
+
+def forced_inline(m, n, rows, group, stages, per_sm, sms):
+    """The streaming kernel with X in fp32 and its row scales taken in the kernel."""
+    if m > 16:
+        return None
+    m_rows = split_decode.m_rows_for(m)
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages, True, True)
+    if smem * per_sm > split_decode.SMEM_LIMIT:
+        return None
+    shape = split_decode.StreamShape(m_rows, rows, group, stages,
+                                     min(-(-n // rows), per_sm * sms), True, True)
+    return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
+
+
+def forced_tile(m, n, rows, group, stages, per_sm, sms):
+    m_rows = max(16, split_decode.m_rows_for(m))
+    if (m > split_decode.MAX_M or (m_rows // 16) * (rows // 8) < 8
+            or split_decode.tile_smem_bytes(m_rows, rows, group, stages) * per_sm
+            > split_decode.SMEM_LIMIT):
+        return None
+    shape = split_decode.TileShape(m_rows, rows, group, stages,
+                                   min(-(-n // rows), per_sm * sms))
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
@@ -99,6 +131,14 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
             if fn is not None:
                 x = "_x" if x_fp32 else ""
                 units[f"fused_r{rows}_g{group}_s{stages}_c{per_sm}{x}"] = fn
+    if sweep in ("all", "inline"):
+        for rows, group, stages, per_sm in INLINE_SWEEP:
+            units[f"inline_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_inline(
+                m, n, rows, group, stages, per_sm, sms)
+    if sweep in ("all", "tile"):
+        for rows, group, stages, per_sm in TILE_SWEEP:
+            units[f"tile_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_tile(
+                m, n, rows, group, stages, per_sm, sms)
     units = {nm: fn for nm, fn in units.items() if fn is not None}
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
@@ -107,6 +147,7 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
             for nm in units if nm not in ("split_path", "cublas_sgemm", "read_w")}
     shape = split_decode.default_shape(m, n, k, sets[0][0].device)
     row = {"M": m, "K": k, "N": n, "cluster": isinstance(shape, split_decode.ClusterShape),
+           "tile": isinstance(shape, split_decode.TileShape),
            "fused": split_decode.applies(sets[0][0], sets[0][1], None, "fwd"),
            "launch_shape": shape, "us": us,
            "bits_equal_split_path": same,
@@ -131,8 +172,9 @@ def report(rows, meta) -> list[str]:
              f"detgemm vs SGEMM: geomean {geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
-             "| M | K | N | detgemm fp32 | launch: cluster (X rows, CTAs, cap, groups) or stream "
-             "(X rows, W rows, group, stages, CTAs, X fp32) "
+             "| M | K | N | detgemm fp32 | launch: cluster (X rows, CTAs, cap, groups), tile (X "
+             "rows, W rows, group, stages, CTAs) or stream (X rows, W rows, group, stages, CTAs, "
+             "X fp32, X scales inline) "
              "| stream | cluster | split path | SGEMM | read W | vs SGEMM | split path vs SGEMM "
              "| best forced |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -155,7 +197,8 @@ def _launch(r) -> str:
     if not r["fused"]:
         return "split path"
     shape = tuple(r["launch_shape"])
-    return f"{'cluster' if r.get('cluster') else 'stream'} {shape}"
+    kind = "cluster" if r.get("cluster") else "tile" if r.get("tile") else "stream"
+    return f"{kind} {shape}"
 
 
 def main() -> int:
@@ -163,7 +206,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
     ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "cluster", "stream"],
+    ap.add_argument("--sweep", nargs="?", const="all",
+                    choices=["all", "cluster", "stream", "tile", "inline"],
                     help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()

@@ -11,6 +11,11 @@ CTAs splits each block's K range and keeps it in shared memory, the row maxima m
 distributed shared memory, and W is read once (ncu at 4096 x 4096: 69 MB of DRAM reads for
 a 64 MB W, but DRAM at 51% of peak: each CTA loads, then computes, with 4 CTAs per SM).
 
+At 17..64 rows of X and wide N, sm_90 runs `kernels.split_tile.SplitTileFp32`: each warp
+owns outputs over the whole K and adds its chunks in registers (`tile_shape`). Up to
+`X_INLINE_M` rows of X the streaming kernel takes X's row scales itself (`x_inline`), and
+no split kernel runs on X.
+
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
 1 <= M <= 64 (32 on sm_80, whose shared memory cannot stage 64 rows of X), K a positive
 multiple of 32, the weight K-contiguous with 16-byte-aligned rows and base
@@ -37,6 +42,7 @@ from .kernels import tensor_needs as needs
 MAX_M = 64  # above, X's rows (128 in fp32, 2 stages: 272 KiB) do not fit one CTA
 SM80_MAX_M = 32  # sm_80's 163 KiB cannot stage 64 rows of X
 X_FP32_M = 8  # rows of X (m_rows) from which X is staged as fp32 and split in registers
+X_INLINE_M = 4  # rows of X (m_rows) up to which the kernel takes X's row scales itself
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
 CTAS_PER_SM = 2
@@ -56,6 +62,8 @@ CLUSTER_MAX_K = 16384
 CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
 CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
 CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
+# Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`).
+TILE_MIN_N = {32: 8192, 64: 3584}
 
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
@@ -103,6 +111,9 @@ def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90") -> str
     cluster = arch == "sm90" and uses_cluster(m, k, (9, 0))
     kernel = (f"kernels/cluster_gemv.py, clusters of {cluster_shape(m, k).cluster} CTAs"
               if cluster else "kernels/split_gemv.py")
+    if arch == "sm90" and m_rows_for(m) in TILE_MIN_N:
+        kernel += (f"; kernels/split_tile.py from N = {TILE_MIN_N[m_rows_for(m)]} "
+                   "(tile_shape)")
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "
@@ -133,15 +144,19 @@ class StreamShape(NamedTuple):
     stages: int
     ctas: int
     x_fp32: bool = False
+    x_inline: bool = False  # X's row scales taken in the kernel: no split kernel launch
 
 
-def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False) -> int:
+def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False,
+               x_inline: bool = False) -> int:
     """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and of X (fp32 or
-    its parts), the chunk exchange, the row scales."""
+    its parts), the chunk exchange, the row scales (X's too with `x_inline`)."""
     slots = _WARPS * group
     w = stages * rows * (slots * 32 + 16) * 4
     a = stages * m_rows * ((slots * 32 + 16) * 4 if x_fp32 else (slots * 96 + 16) * 2)
-    return w + a + slots * m_rows * rows * 4 + 2 * max(8, rows) * 4 + 4 * 128
+    scales = 2 * (max(8, rows) + (m_rows if x_inline else 0)) * 4
+    tops = _WARPS * 4 * (m_rows if x_inline else 1)
+    return w + a + slots * m_rows * rows * 4 + scales + tops + 4 * 128
 
 
 @functools.lru_cache(maxsize=4096)
@@ -151,6 +166,11 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
     block; chunks per warp and round; cp.async stages; a persistent grid; X's form
     (`bench/bench_fp32_decode.py --sweep stream` measured the choices on an H100):
 
+    - up to `X_INLINE_M` rows of X: X in fp32 with its row scales taken in the kernel
+      (`x_inline`: no split kernel launch), 8 rows of W, two chunks per warp and round,
+      3 stages, two CTAs per SM (`--sweep inline`: 1.054x, 1.052x and 1.028x the speed
+      before at M = 1 (9 shapes: not those of the cluster kernel), 2 and 4 (12 shapes),
+      geomean; at M = 8 and 16, where every CTA reads more of X, 0.97x and 0.92x);
     - X's form: its fp16 parts (from the split kernel) below `X_FP32_M` rows of X, from
       there fp32, split in registers (4 bytes a value staged per block instead of 6; 1.07x
       the speed at M = 8 and 1.11x at M = 16, geomean of 12 shapes; 0.95x at M = 2);
@@ -165,6 +185,8 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
       97 us with 8 rows). With fewer than sms / 2 blocks they lost to 8 rows (N = 1024:
       M = 32 26 us against 33, M = 64 41 against 50), with 80 of 132 they won (N = 1280)."""
     m_rows = m_rows_for(m)
+    if m_rows <= X_INLINE_M:
+        return StreamShape(m_rows, 8, 2, 3, min(-(-n // 8), CTAS_PER_SM * sms), True, True)
     x_fp32 = m_rows >= X_FP32_M
     stages = next((s for s in (3, 2) if smem_bytes(m_rows, 16, 1, s, x_fp32) <= smem_limit), 0)
     if m_rows >= WIDE_M and stages and 2 * -(-n // 16) >= sms:
@@ -179,6 +201,52 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
         per_sm = CTAS_PER_SM if fits else 1
     blocks = -(-n // rows)
     return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32)
+
+
+class TileShape(NamedTuple):
+    """A launch of `SplitTileFp32`: X's rows (16, 32 or 64), rows of W per block (16, 32 or
+    64), chunks per round, cp.async stages, CTAs (persistent)."""
+    m_rows: int
+    rows: int
+    group: int
+    stages: int
+    ctas: int
+
+
+def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
+    """Shared memory of one CTA of `SplitTileFp32`: the stages of W rows and of X's parts,
+    the row scales."""
+    w = stages * rows * (group * 32 + 16) * 4
+    a = stages * m_rows * (group * 96 + 16) * 2
+    return w + a + 2 * rows * 4 + 4 * 128
+
+
+@functools.lru_cache(maxsize=4096)
+def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
+    """The `SplitTileFp32` launch of an M x N problem on sm_90, or None where the streaming
+    kernel is faster (`bench/bench_fp32_decode.py --sweep tile` on an H100, 12 public-model
+    weights at M = 32 and 64; `bench/results/tune/fp32-decode-tile-sweep_*`):
+
+    - 33..64 rows of X from N = `TILE_MIN_N[64]`: 32 rows of W per block where that leaves
+      at most one block per SM, else 64; four chunks per round, 2 stages, one CTA per SM;
+      where even 64-row blocks outnumber the SMs, two chunks per round and two CTAs per SM
+      (16 warps per SM: the chains are latency-bound; 1.15x at N = 14336);
+    - 17..32 rows of X from N = `TILE_MIN_N[32]`: 64-row blocks, two chunks per round,
+      2 stages, two CTAs per SM.
+    Below those N the blocks leave SMs idle and the streaming kernel, which splits K among
+    a block's warps, wins (N = 2048: 105 us against 91 at M = 64)."""
+    m_rows = m_rows_for(m)
+    if m_rows not in TILE_MIN_N or n < TILE_MIN_N[m_rows]:
+        return None
+    if m_rows == 32:
+        rows, group, per_sm = 64, 2, 2
+    elif -(-n // 32) <= sms:
+        rows, group, per_sm = 32, 4, 1
+    elif -(-n // 64) <= sms:
+        rows, group, per_sm = 64, 4, 1
+    else:
+        rows, group, per_sm = 64, 2, 2
+    return TileShape(m_rows, rows, group, 2, min(-(-n // rows), per_sm * sms))
 
 
 class ClusterShape(NamedTuple):
@@ -232,10 +300,13 @@ def stream_shape(m: int, n: int, k: int, device: torch.device):
 @functools.lru_cache(maxsize=4096)
 def default_shape(m: int, n: int, k: int, device: torch.device):
     """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
-    `ClusterShape` (`uses_cluster`) or a `StreamShape` (one lookup per call)."""
-    if uses_cluster(m, k, _capability(device)):
+    `ClusterShape` (`uses_cluster`), a `TileShape` (`tile_shape`, sm_90) or a
+    `StreamShape` (one lookup per call)."""
+    capability = _capability(device)
+    if uses_cluster(m, k, capability):
         return cluster_shape(m, k)
-    return stream_shape(m, n, k, device)
+    tile = tile_shape(m, n, _sms(device)) if capability >= (9, 0) else None
+    return tile or stream_shape(m, n, k, device)
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
@@ -245,17 +316,18 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     (benchmarks, tests): a `ClusterShape`, or a `StreamShape`."""
     m, k = a.shape
     n = b_nk.shape[0]
-    a2, sa = split.scaled_operand_cuda(a, "a")
     chunks = k // split.BLOCK_K
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
     shape = shape or default_shape(m, n, k, a.device)
+    inline = isinstance(shape, StreamShape) and shape.x_inline
+    a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
     ld = b_nk.stride(0) if n > 1 else k
     w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
-    parts = a2.view(m, chunks, 3, 2, 4, 4)
+    parts = None if inline else a2.view(m, chunks, 3, 2, 4, 4)
     arch = split.helper_arch(a.device)
     # On the current device (`gemm.launch_on`).
     if isinstance(shape, ClusterShape):
@@ -266,6 +338,11 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         fn = split.compiled_once(key, lambda: compile_cluster_kernel(*shape, bias is not None,
                                                                      arch))
         fn(w, parts, sa, y, bias)
+    elif isinstance(shape, TileShape):
+        w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+        build = (*shape[:4], bias is not None, arch)
+        fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
+        fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     else:
         if not isinstance(shape, StreamShape):
             shape = StreamShape(*shape)
@@ -274,13 +351,13 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
         build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
-                 shape.x_fp32)
+                 shape.x_fp32, shape.x_inline)
         fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     return y
 
 
-def _fake_operands(has_bias: bool, x_fp32: bool = False):
+def _fake_operands(has_bias: bool, x_fp32: bool = False, x_inline: bool = False):
     """Fake W, W's int32 view, X's parts (`x_fp32`: X as [M, chunks, 8, 4]), X's scales, Y
     and bias for `cute.compile`."""
     import cutlass
@@ -297,7 +374,7 @@ def _fake_operands(has_bias: bool, x_fp32: bool = False):
     else:
         parts = needs.fake(cutlass.Float16, (m, chunks, 3, 2, 4, 4), needs.SPLIT_PARTS,
                            strides=(needs.SPLIT_PARTS.strides[0], 96, 32, 16, 4, needs.UNIT))
-    scales = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
+    scales = None if x_inline else needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
     y = needs.fake(cutlass.Float32, (m, n), OUT_NEED)
     bias = needs.fake(cutlass.Float32, (n,), BIAS_NEED) if has_bias else None
     return w, w_bits, parts, scales, y, bias
@@ -313,15 +390,28 @@ def _compile(kernel, args, arch: str, extra_options: str):
 
 
 def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                   arch: str, x_fp32: bool = False, extra_options: str = ""):
+                   arch: str, x_fp32: bool = False, x_inline: bool = False,
+                   extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
 
     from .kernels.split_gemv import SplitGemvFp32
 
-    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32)
-    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32),
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32, x_inline)
+    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline),
+                    (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
+
+
+def compile_tile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
+                        arch: str, extra_options: str = ""):
+    """The compiled `SplitTileFp32` for one launch shape (no GPU needed: fake tensors)."""
+    import cutlass
+
+    from .kernels.split_tile import SplitTileFp32
+
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias)
+    return _compile(SplitTileFp32(m_rows, rows, group, stages, has_bias),
                     (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
 
 
@@ -337,6 +427,8 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 
 __all__ = ["fused", "covers", "max_m", "applies", "explain_note", "decode_gemm",
            "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
-           "uses_cluster", "default_shape", "m_rows_for", "smem_bytes", "cluster_smem_bytes",
-           "compile_kernel", "compile_cluster_kernel", "MAX_M", "SM80_MAX_M", "X_FP32_M",
+           "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "m_rows_for",
+           "smem_bytes", "cluster_smem_bytes",
+           "compile_kernel", "compile_cluster_kernel", "compile_tile_kernel", "TileShape",
+           "tile_smem_bytes", "MAX_M", "SM80_MAX_M", "X_FP32_M", "X_INLINE_M",
            "CLUSTER_M", "CLUSTER_MIN_K", "CLUSTER_MAX_K", "ENV"]

@@ -58,26 +58,58 @@ def test_fused_has_the_split_paths_bits(m, n, k):
 @pytest.mark.parametrize("m", [1, 5, 16, 29, 41])
 def test_every_launch_shape_same_bits(m):
     """Every rows/group/stages/grid the kernel takes, X staged as its parts or as fp32
-    (the latter on fewer shapes: the same loops, another A fragment source)."""
+    (the latter on fewer shapes: the same loops, another A fragment source), X's scales
+    from the split kernel or taken in the kernel (`x_inline`, up to 16 rows)."""
     g = torch.Generator(device=DEV).manual_seed(m)
     n, k = 600, 2048 + 32 * 7  # a partial last block and a partial last round
     x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
     want = split_path(x, w, bias)
     m_rows, ran = split_decode.m_rows_for(m), 0
-    for x_fp32 in (False, True):
+    for x_fp32, x_inline in ((False, False), (True, False), (True, True)):
+        if x_inline and m_rows > 16:
+            continue
         for rows in (2, 4, 8, 16):
             for group in ((1, 2) if x_fp32 else (1, 2, 4)):
                 for stages in ((2, 3) if x_fp32 else (2, 3, 5)):
-                    if split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32) > \
-                            split_decode.SMEM_LIMIT:
+                    if split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32,
+                                               x_inline) > split_decode.SMEM_LIMIT:
                         continue
                     for ctas in (1, 7, 2 * SMS):
                         shape = split_decode.StreamShape(m_rows, rows, group, stages, ctas,
-                                                         x_fp32)
+                                                         x_fp32, x_inline)
                         poison()
                         assert same_bits(split_decode.decode_gemm(x, w, bias, shape),
                                          want), shape
                         ran += 1
+    assert ran >= 6
+
+
+@pytest.mark.parametrize("m", [9, 16, 17, 29, 33, 41, 64])
+def test_every_tile_shape_same_bits(m):
+    """`SplitTileFp32`: every rows/group/stages it takes (16, 32, 64 rows of W; 1, 2, 4, 8
+    chunks per round), grids of 1, 7 and 2 x SMs CTAs, a partial last block and round,
+    with and without bias."""
+    g = torch.Generator(device=DEV).manual_seed(200 + m)
+    n, k = 600, 2048 + 32 * 7
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    want, want_nb = split_path(x, w, bias), split_path(x, w)
+    m_rows, ran = max(16, split_decode.m_rows_for(m)), 0
+    for rows in (16, 32, 64):
+        if (m_rows // 16) * (rows // 8) < 8:
+            continue
+        for group, stages in ((1, 2), (2, 4), (4, 3), (8, 2), (1, 8)):
+            if split_decode.tile_smem_bytes(m_rows, rows, group, stages) > \
+                    split_decode.SMEM_LIMIT:
+                continue
+            for i, ctas in enumerate((1, 7, 2 * SMS)):
+                shape = split_decode.TileShape(m_rows, rows, group, stages, ctas)
+                poison()
+                if (i + group) % 2:
+                    assert same_bits(split_decode.decode_gemm(x, w, bias, shape), want), shape
+                else:
+                    assert same_bits(split_decode.decode_gemm(x, w, None, shape), want_nb), \
+                        shape
+                ran += 1
     assert ran >= 6
 
 
@@ -136,6 +168,36 @@ def test_random_problems_match_the_cpu_reference():
 
 @pytest.mark.parametrize("m", [9, 4, 40])  # 16 and 8 rows of W per block; X in fp32
 def test_special_values_match_the_split_path(m):
+    x, w = special_operands(m)
+    y, want = fused_path(x, w), split_path(x, w)
+    assert same_bits_nan(y.cpu(), want.cpu())
+    assert same_bits_nan(y.cpu(), reference.linear(x.cpu(), w.cpu()))
+
+
+@pytest.mark.parametrize("m", [4, 9, 16])
+def test_inline_x_scales_special_values_match_the_split_path(m):
+    x, w = special_operands(m)
+    want = split_path(x, w)
+    shape = split_decode.StreamShape(split_decode.m_rows_for(m), 8, 2, 2, 5, True, True)
+    poison()
+    assert same_bits_nan(split_decode.decode_gemm(x, w, None, shape).cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("m", [12, 40, 64])
+def test_tile_kernel_special_values_match_the_split_path(m):
+    x, w = special_operands(m)
+    want = split_path(x, w)
+    for rows in (16, 32, 64):
+        if (max(16, split_decode.m_rows_for(m)) // 16) * (rows // 8) >= 8:
+            shape = split_decode.TileShape(max(16, split_decode.m_rows_for(m)), rows, 2, 3, 5)
+            poison()
+            assert same_bits_nan(split_decode.decode_gemm(x, w, None, shape).cpu(),
+                                 want.cpu()), shape
+
+
+def special_operands(m):
+    """X [m, 256] and W [64, 256] over a wide exponent range with zeros, signed zeros, Inf,
+    NaN, subnormal and near-overflow rows."""
     g = torch.Generator(device=DEV).manual_seed(11)
     n, k = 64, 256
     x, w = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True)
@@ -151,9 +213,7 @@ def test_special_values_match_the_split_path(m):
     x[1, 3] = float("nan")
     x[2].zero_()
     x[3] *= 2.0 ** -130
-    y, want = fused_path(x, w), split_path(x, w)
-    assert same_bits_nan(y.cpu(), want.cpu())
-    assert same_bits_nan(y.cpu(), reference.linear(x.cpu(), w.cpu()))
+    return x, w
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1280, 8192), (520, 96)])

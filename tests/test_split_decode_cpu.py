@@ -61,10 +61,17 @@ def test_launch_shape_arithmetic(m, n, k, cap):
         return
     limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
     shape = split_decode.launch_shape(m, n, k, 132, limit)
-    m_rows, rows, group, stages, ctas, x_fp32 = shape
+    m_rows, rows, group, stages, ctas, x_fp32, x_inline = shape
     assert isinstance(shape, split_decode.StreamShape)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
     assert m_rows in (1, 2, 4, 8, 16, 32, 64)
+    assert x_inline == (m_rows <= split_decode.X_INLINE_M)
+    if x_inline:  # X in fp32, its scales taken in the kernel: 8 rows, 2 chunks, 3 stages
+        assert (x_fp32, rows, group, stages) == (True, 8, 2, 3)
+        smem = split_decode.smem_bytes(m_rows, rows, group, stages, True, True)
+        assert 2 * smem <= split_decode.SMEM_LIMIT and smem <= limit
+        assert ctas == min(-(-n // 8), 2 * 132)
+        return
     assert x_fp32 == (m_rows >= split_decode.X_FP32_M)
     # 16 rows of W from 32 rows of X, where one CTA's shared memory holds them and the
     # blocks give at least half the SMs one
@@ -93,9 +100,11 @@ def test_kernel_rejects_shapes_it_has_no_code_for():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("shape", [(1, 8, 2, 4, True, False), (16, 16, 1, 2, False, False),
                                    (32, 8, 1, 2, True, False), (4, 2, 2, 3, False, False),
-                                   (64, 16, 1, 2, True, True), (8, 8, 2, 2, False, True)])
+                                   (64, 16, 1, 2, True, True), (8, 8, 2, 2, False, True),
+                                   (1, 8, 2, 3, True, True), (4, 8, 2, 3, False, True)])
 def test_compiled_code(arch, shape, tmp_path):
-    fn = split_decode.compile_kernel(*shape[:5], arch, x_fp32=shape[5],
+    x_inline = shape[5] and shape[0] <= 4  # X's scales taken in the kernel
+    fn = split_decode.compile_kernel(*shape[:5], arch, x_fp32=shape[5], x_inline=x_inline,
                                      extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = fn.__ptx__ or ""
     ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
@@ -111,6 +120,71 @@ def test_compiled_code(arch, shape, tmp_path):
     assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
     assert ("add.rn.f32" in ops) == shape[4]  # the bias add
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("n", [1, 1024, 3583, 3584, 4224, 4225, 8192, 8448, 8449, 18944])
+def test_tile_shape_arithmetic(m, n):
+    shape = split_decode.tile_shape(m, n, 132)
+    m_rows = split_decode.m_rows_for(m)
+    if m_rows not in split_decode.TILE_MIN_N or n < split_decode.TILE_MIN_N[m_rows]:
+        assert shape is None
+        return
+    assert isinstance(shape, split_decode.TileShape) and shape.m_rows == m_rows
+    blocks = -(-n // shape.rows)
+    per_sm = 2 if (shape.rows, shape.group) == (64, 2) else 1
+    assert shape.ctas == min(blocks, per_sm * 132) and shape.stages == 2
+    if m_rows == 64:  # 32-row blocks while they leave one per SM, then 64, then 2 per SM
+        assert shape.rows == (32 if -(-n // 32) <= 132 else 64)
+        assert shape.group == (2 if -(-n // 64) > 132 else 4)
+    else:
+        assert (shape.rows, shape.group) == (64, 2)
+    smem = split_decode.tile_smem_bytes(m_rows, shape.rows, shape.group, shape.stages)
+    assert smem * per_sm <= split_decode.SMEM_LIMIT
+
+
+def test_tile_kernel_only_on_sm90(monkeypatch):
+    x, w = torch.randn(64, 256), torch.randn(4096, 256)
+    for cap, tile in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(split_decode, "_capability", lambda device, cap=cap: cap)
+        monkeypatch.setattr(split_decode, "_sms", lambda device: 132)
+        split_decode.default_shape.cache_clear()
+        shape = split_decode.default_shape(64, 4096, 256, x.device)
+        assert isinstance(shape, split_decode.TileShape) == tile
+    split_decode.default_shape.cache_clear()
+    monkeypatch.setattr(split_decode, "_capability", lambda device: (9, 0))
+    assert split_decode.applies(x, w, None, "fwd")
+
+
+def test_tile_kernel_rejects_shapes_it_has_no_code_for():
+    from detgemm_cute.kernels.split_tile import SplitTileFp32
+
+    for bad in [(8, 64, 2, 2), (16, 32, 2, 2), (32, 16, 2, 2), (64, 8, 2, 2), (64, 128, 2, 2),
+                (64, 32, 3, 2), (64, 32, 2, 1), (64, 32, 2, 9)]:
+        with pytest.raises(ValueError, match="SplitTileFp32"):
+            SplitTileFp32(*bad, False)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("shape", [(64, 32, 4, 2, True), (32, 64, 2, 2, False),
+                                   (16, 64, 1, 3, True), (64, 16, 8, 2, False)])
+def test_tile_compiled_code(arch, shape, tmp_path):
+    fn = split_decode.compile_tile_kernel(*shape, arch,
+                                          extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
+    assert "ld.global.v4.b32" in ops and "cp.async.cg.shared.global" in ops
+    # Per chunk each warp splits W's 2 x 4 values of its n8 block (3 parts, 2 values a
+    # cvt) and runs six steps per m16 tile it owns: the chain is in the code.
+    m_rows, rows, group = shape[:3]
+    wm = (m_rows // 16) // (8 // (rows // 8))
+    assert len(re.findall(r"^\s*cvt\.rn\.f16x2\.f32", ptx, flags=re.M)) >= 6 * group
+    assert len(re.findall(r"^\s*mma\.sync", ptx, flags=re.M)) == 6 * group * wm
+    assert "mul.rn.f32" in ops and ("add.rn.f32" in ops) == shape[4]
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+    # Shared memory takes the row scales and the warps' maxima only: no chunk exchange.
+    assert len(re.findall(r"^\s*st\.shared", ptx, flags=re.M)) <= 3
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 32])

@@ -5,7 +5,8 @@ the split path (`split.py`: `scaled_operand_cuda` on both operands, the chunked 
 `split.unscale`), but W is read as fp32 and split in registers: its three fp16 parts are
 never written to memory and read back. X's parts come from the split kernel, or (`x_fp32`)
 X is staged as fp32 too and split in registers with its row scales (4 bytes a value staged
-per block of W instead of 6: the form for many rows of X).
+per block of W instead of 6: the form for many rows of X); with `x_inline` (up to 16 rows of
+X) each CTA takes those scales itself before its first block, as the split kernel would.
 
 Pipeline (one CTA of 8 warps per block of `rows` rows of W, persistent over blocks; a
 round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
@@ -68,12 +69,15 @@ class SplitGemvFp32:
     in registers (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                 x_fp32: bool = False):
+                 x_fp32: bool = False, x_inline: bool = False):
         if (m_rows not in (1, 2, 4, 8, 16, 32, 64) or rows not in (2, 4, 8, 16)
-                or group not in (1, 2, 4) or not 2 <= stages <= 6):
+                or group not in (1, 2, 4) or not 2 <= stages <= 6
+                or (x_inline and (not x_fp32 or m_rows > 16))):
             raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32, 64), rows in "
-                             f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6; got {m_rows}, "
-                             f"{rows}, {group}, {stages}")
+                             f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6, x_inline only "
+                             f"with x_fp32 and m_rows <= 16; got {m_rows}, {rows}, {group}, "
+                             f"{stages}, {x_fp32}, {x_inline}")
+        self.x_inline = x_inline  # X's row scales taken in the kernel (mSx unused)
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
         self.rows, self.group, self.stages = rows, group, stages
         self.bn = max(8, rows)  # the MMA's N extent: n8 blocks, rows past `rows` unused
@@ -92,13 +96,17 @@ class SplitGemvFp32:
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
-                 mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
+                 mSx: Optional[cute.Tensor], mY: cute.Tensor, mBias: Optional[cute.Tensor],
                  ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
         w_floats = self.stages * self.rows * self.w_pitch
         a_values = self.stages * self.m_rows * self.a_pitch
         a_dtype = cutlass.Float32 if self.x_fp32 else cutlass.Float16
+        # With x_inline, X's scales and reciprocals follow W's, and the tops take one row
+        # of X per warp and row.
+        scales = self.bn + (self.m_rows if self.x_inline else 0)
+        top_rows = self.m_rows if self.x_inline else 1
 
         @cute.struct
         class SharedStorage:
@@ -106,9 +114,9 @@ class SplitGemvFp32:
             a: cute.struct.Align[cute.struct.MemRange[a_dtype, a_values], 128]
             parts: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, self.slots * self.outs], 16]
-            scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
-            inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
-            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS], 16]
+            scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
+            inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
+            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS * top_rows], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(mW, mWbits, mA, mSx, mY, mBias, tiled_mma).launch(
@@ -116,7 +124,7 @@ class SplitGemvFp32:
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
-               mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
+               mSx: Optional[cute.Tensor], mY: cute.Tensor, mBias: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -146,6 +154,13 @@ class SplitGemvFp32:
         s_inv = storage.inv.get_tensor(cute.make_layout(bn))
         s_tops = storage.tops.get_tensor(cute.make_layout(WARPS))
         g2s_w, g2s_a, mA8 = self._staging(mA, m_total, chunks)
+        x_inv = mSx
+        if cutlass.const_expr(self.x_inline):
+            mSx = cute.make_tensor(s_scale.iterator + bn, cute.make_layout(self.m_rows))
+            x_inv = cute.make_tensor(s_inv.iterator + bn, cute.make_layout(self.m_rows))
+            self._x_row_scales(mA, mSx, x_inv, storage.tops.get_tensor(
+                cute.make_layout((WARPS, self.m_rows))), m_total, chunks, tidx)
+            cute.arch.sync_threads()
 
         frag_a = tiled_mma.make_fragment_A(
             tiled_mma.partition_shape_A((16 * self.m_tiles, 16 * STEPS)))
@@ -220,7 +235,8 @@ class SplitGemvFp32:
                 m, n = o // rows, n0 + o % rows
                 if m < m_total and n < n_total:
                     # Explicit rounding: no contraction into an FMA (split.unscale's bits).
-                    y = mul_rn(mul_rn(acc[i], reciprocal(mSx[m])), s_inv[o % rows])
+                    inv_x = x_inv[m] if cutlass.const_expr(self.x_inline) else reciprocal(mSx[m])
+                    y = mul_rn(mul_rn(acc[i], inv_x), s_inv[o % rows])
                     if cutlass.const_expr(self.has_bias):
                         y = add_rn(y, mBias[n])
                     mY[(m, n)] = y
@@ -280,6 +296,35 @@ class SplitGemvFp32:
                     for i in cutlass.range_constexpr(4):
                         top = cutlass.max(top, bits[(i, u)] & SIGN_OFF)
         return top
+
+    @cute.jit
+    def _x_row_scales(self, mA: cute.Tensor, s_xs: cute.Tensor, s_xinv: cute.Tensor,
+                      s_tops: cute.Tensor, m_total, chunks, tidx):
+        """X's row scales in the kernel (`x_inline`), as `SplitFp16Parts` takes them: the
+        integer maximum of |x| bits per row (a NaN dominates) over the CTA's threads
+        (`_LOADS` 16-byte loads in flight), then `scale_bits_of` into s_xs and s_xinv (the
+        split kernel's launch saved; every CTA reads X, a few rows, from L2)."""
+        quads = chunks * 8
+        bits = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=cutlass.Int32),
+                                cute.make_layout((m_total, quads, 4),
+                                                 stride=(mA.stride[0], 4, 1)))
+        for m in cutlass.range_constexpr(self.m_rows):
+            top = cutlass.Int32(0)
+            if m < m_total:
+                top = self._row_max(bits, m, m_total, tidx, THREADS, quads)
+            top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+            if tidx % 32 == 0:
+                s_tops[(tidx // 32, m)] = top
+        cute.arch.sync_threads()
+        if tidx < self.m_rows:
+            top = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                top = cutlass.max(top, s_tops[(w, tidx)])
+            scale_bits, inv_bits = scale_bits_of(top)
+            cute.make_tensor(cute.recast_ptr(s_xs.iterator, dtype=cutlass.Int32),
+                             s_xs.layout)[tidx] = scale_bits
+            cute.make_tensor(cute.recast_ptr(s_xinv.iterator, dtype=cutlass.Int32),
+                             s_xinv.layout)[tidx] = inv_bits
 
     @cute.jit
     def _write_scale(self, top, s_scale: cute.Tensor, s_inv: cute.Tensor, s_tops: cute.Tensor,
