@@ -175,31 +175,16 @@ class SplitGemvFp32:
 
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
-            # The first rounds' copies go out before the row maxima: they read the same lines.
-            for s in cutlass.range_constexpr(stages - 1):
-                if s < rounds:
-                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
-                                     m_total, s, s, tidx)
-                cute.arch.cp_async_commit_group()
-            # Pass 1 (the copies above read the same lines), then the scales in smem.
-            top = self._row_max(mWbits, n0 + w_row, n_total, sub, per_row, quads)
-            self._write_scale(top, s_scale, s_inv, s_tops, tidx)
-            cute.arch.sync_threads()
+            copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
+            self._open_block(copy, rounds, mWbits, w_row, sub, per_row, quads, s_scale, s_inv,
+                             s_tops, tidx)
             for nb in cutlass.range_constexpr(nb_n):
                 row_scale[nb] = cutlass.Float32(1.0)
                 if nb * 8 + lane // 4 < rows:
                     row_scale[nb] = s_scale[nb * 8 + lane // 4]
             acc.fill(0.0)
             for r in cutlass.range(rounds, unroll=1):
-                # Round r has landed (at most stages-2 newer groups in flight), and every
-                # warp is done with round r-1, whose stage now takes round r+stages-1.
-                cute.arch.cp_async_wait_group(stages - 2)
-                cute.arch.sync_threads()
-                nxt = r + stages - 1
-                if nxt < rounds:
-                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
-                                     m_total, nxt, nxt % stages, tidx)
-                cute.arch.cp_async_commit_group()
+                self._open_round(copy, r, rounds, tidx)
                 stage = r % stages
                 for gi in cutlass.range_constexpr(grp):
                     slot = warp * grp + gi
@@ -242,6 +227,32 @@ class SplitGemvFp32:
                     mY[(m, n)] = y
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    @cute.jit
+    def _open_block(self, copy, rounds, mWbits: cute.Tensor, w_row, sub, per_row, quads,
+                    s_scale: cute.Tensor, s_inv: cute.Tensor, s_tops: cute.Tensor, tidx):
+        """A block's start: the first stages - 1 rounds' copies (`copy`: `_copy_round`'s
+        leading arguments) go out before the row maxima, which bring the same lines into
+        L2; then the maxima, W's scales in shared memory, and a barrier."""
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < rounds:
+                self._copy_round(*copy, s, s, tidx)
+            cute.arch.cp_async_commit_group()
+        top = self._row_max(mWbits, copy[6] + w_row, copy[7], sub, per_row, quads)
+        self._write_scale(top, s_scale, s_inv, s_tops, tidx)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _open_round(self, copy, r, rounds, tidx):
+        """Round r has landed (at most stages - 2 newer groups in flight), and after the
+        barrier every warp is done with round r - 1, whose stage takes round
+        r + stages - 1."""
+        cute.arch.cp_async_wait_group(self.stages - 2)
+        cute.arch.sync_threads()
+        nxt = r + self.stages - 1
+        if nxt < rounds:
+            self._copy_round(*copy, nxt, nxt % self.stages, tidx)
+        cute.arch.cp_async_commit_group()
 
     def _staging(self, mA: cute.Tensor, m_total, chunks):
         """The cp.async atoms (16 bytes of W's fp32, of X: fp32 or fp16 parts) and X as

@@ -138,27 +138,13 @@ class SplitTileFp32(SplitGemvFp32):
 
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
-            # The first rounds' copies go out before the row maxima: they read the same lines.
-            for s in cutlass.range_constexpr(stages - 1):
-                if s < rounds:
-                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
-                                     m_total, s, s, tidx)
-                cute.arch.cp_async_commit_group()
-            top = self._row_max(mWbits, n0 + w_row, n_total, sub, per_row, quads)
-            self._write_scale(top, s_scale, s_inv, s_tops, tidx)
-            cute.arch.sync_threads()
+            copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
+            self._open_block(copy, rounds, mWbits, w_row, sub, per_row, quads, s_scale, s_inv,
+                             s_tops, tidx)
             w_scale = s_scale[nb * 8 + g]
             acc.fill(0.0)
             for r in cutlass.range(rounds, unroll=1):
-                # Round r has landed (at most stages-2 newer groups in flight), and every
-                # warp is done with round r-1, whose stage now takes round r+stages-1.
-                cute.arch.cp_async_wait_group(stages - 2)
-                cute.arch.sync_threads()
-                nxt = r + stages - 1
-                if nxt < rounds:
-                    self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks,
-                                     m_total, nxt, nxt % stages, tidx)
-                cute.arch.cp_async_commit_group()
+                self._open_round(copy, r, rounds, tidx)
                 stage = r % stages
                 for gi in cutlass.range_constexpr(grp):
                     if r * grp + gi < chunks:
