@@ -300,12 +300,14 @@ def stream_shape(m: int, n: int, k: int, device: torch.device):
 @functools.lru_cache(maxsize=4096)
 def default_shape(m: int, n: int, k: int, device: torch.device):
     """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
-    `ClusterShape` (`uses_cluster`), a `TileShape` (`tile_shape`, sm_90) or a
+    `ClusterShape` (`uses_cluster`), a `TileShape` (`tile_shape`, sm_90 only) or a
     `StreamShape` (one lookup per call)."""
     capability = _capability(device)
     if uses_cluster(m, k, capability):
         return cluster_shape(m, k)
-    tile = tile_shape(m, n, _sms(device)) if capability >= (9, 0) else None
+    # The tile kernel's shapes were measured on sm_90 only (and take up to 177 KiB of shared
+    # memory, more than some later GPUs give a CTA).
+    tile = tile_shape(m, n, _sms(device)) if capability[0] == 9 else None
     return tile or stream_shape(m, n, k, device)
 
 
@@ -313,7 +315,8 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                 shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
     bias in fp32 (not yet rounded to another output dtype). `shape` forces a kernel
-    (benchmarks, tests): a `ClusterShape`, or a `StreamShape`."""
+    (benchmarks, tests): a `ClusterShape`, a `TileShape`, or a `StreamShape` (also as a plain
+    tuple)."""
     m, k = a.shape
     n = b_nk.shape[0]
     chunks = k // split.BLOCK_K
@@ -321,6 +324,8 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     if n == 0:
         return y
     shape = shape or default_shape(m, n, k, a.device)
+    if not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
+        shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
     inline = isinstance(shape, StreamShape) and shape.x_inline
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
@@ -344,8 +349,6 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     else:
-        if not isinstance(shape, StreamShape):
-            shape = StreamShape(*shape)
         w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
         if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
             a = needs.conform(a, needs.SPLIT_ROWS)

@@ -97,7 +97,7 @@ def test_every_tile_shape_same_bits(m):
     for rows in (16, 32, 64):
         if (m_rows // 16) * (rows // 8) < 8:
             continue
-        for group, stages in ((1, 2), (2, 4), (4, 3), (8, 2), (1, 8)):
+        for group, stages in ((1, 2), (2, 2), (4, 2), (2, 4), (4, 3), (8, 2), (1, 8)):
             if split_decode.tile_smem_bytes(m_rows, rows, group, stages) > \
                     split_decode.SMEM_LIMIT:
                 continue
@@ -111,6 +111,19 @@ def test_every_tile_shape_same_bits(m):
                         shape
                 ran += 1
     assert ran >= 6
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="tile kernel: sm_90")
+@pytest.mark.parametrize("m,n", [(20, 8192), (32, 8200), (40, 3600), (64, 5000), (33, 9000)])
+def test_tile_rule_shapes_through_the_default_path(m, n):
+    """Every configuration `tile_shape` ships (32- and 64-row blocks, 4 or 2 chunks a
+    round, one or two CTAs per SM), through `dg.linear`, with and without bias."""
+    assert isinstance(split_decode.default_shape(m, n, 256, torch.device(DEV)),
+                      split_decode.TileShape)
+    g = torch.Generator(device=DEV).manual_seed(m * n)
+    x, w, bias = rand(m, 256, g=g, spread=True), rand(n, 256, g=g, spread=True), rand(n, g=g)
+    assert same_bits(fused_path(x, w, bias), split_path(x, w, bias))
+    assert same_bits(fused_path(x, w), split_path(x, w))
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="clusters: sm_90")

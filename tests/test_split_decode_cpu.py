@@ -69,7 +69,8 @@ def test_launch_shape_arithmetic(m, n, k, cap):
     if x_inline:  # X in fp32, its scales taken in the kernel: 8 rows, 2 chunks, 3 stages
         assert (x_fp32, rows, group, stages) == (True, 8, 2, 3)
         smem = split_decode.smem_bytes(m_rows, rows, group, stages, True, True)
-        assert 2 * smem <= split_decode.SMEM_LIMIT and smem <= limit
+        per_sm_limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
+        assert 2 * smem <= per_sm_limit
         assert ctas == min(-(-n // 8), 2 * 132)
         return
     assert x_fp32 == (m_rows >= split_decode.X_FP32_M)
@@ -145,7 +146,7 @@ def test_tile_shape_arithmetic(m, n):
 
 def test_tile_kernel_only_on_sm90(monkeypatch):
     x, w = torch.randn(64, 256), torch.randn(4096, 256)
-    for cap, tile in (((9, 0), True), ((8, 0), False)):
+    for cap, tile in (((9, 0), True), ((8, 0), False), ((12, 0), False)):
         monkeypatch.setattr(split_decode, "_capability", lambda device, cap=cap: cap)
         monkeypatch.setattr(split_decode, "_sms", lambda device: 132)
         split_decode.default_shape.cache_clear()
