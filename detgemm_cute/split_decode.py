@@ -103,17 +103,25 @@ def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
     return capability >= (8, 0) and m <= max_m(capability)
 
 
-def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90") -> str | None:
+def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
+                 n: int | None = None) -> str | None:
     """The line `detgemm-cute explain` adds where the fused path, not the bucket, serves an
-    fp32 problem (None elsewhere); `arch` is the table's ("sm90", "sm80")."""
+    fp32 problem (None elsewhere); `arch` is the table's ("sm90", "sm80"); with `n` it names
+    the one kernel of that N (`tile_shape` at an H100's 132 SMs)."""
     if dtype != "fp32" or not covers(op, m, k, max_m((9, 0) if arch == "sm90" else (8, 0))):
         return None
     cluster = arch == "sm90" and uses_cluster(m, k, (9, 0))
-    kernel = (f"kernels/cluster_gemv.py, clusters of {cluster_shape(m, k).cluster} CTAs"
-              if cluster else "kernels/split_gemv.py")
-    if arch == "sm90" and m_rows_for(m) in TILE_MIN_N:
-        kernel += (f"; kernels/split_tile.py from N = {TILE_MIN_N[m_rows_for(m)]} "
-                   "(tile_shape)")
+    tile = arch == "sm90" and n is not None and not cluster and tile_shape(m, n, 132)
+    if cluster:
+        kernel = f"kernels/cluster_gemv.py, clusters of {cluster_shape(m, k).cluster} CTAs"
+    elif tile:
+        kernel = (f"kernels/split_tile.py, {tile.rows}-row blocks of W, {tile.group} chunks "
+                  "a round (tile_shape at 132 SMs)")
+    else:
+        kernel = "kernels/split_gemv.py"
+        if arch == "sm90" and n is None and m_rows_for(m) in TILE_MIN_N:
+            kernel += (f"; kernels/split_tile.py from N = {TILE_MIN_N[m_rows_for(m)]} "
+                       "(tile_shape)")
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "

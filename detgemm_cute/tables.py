@@ -107,5 +107,5 @@ def explain(op: str, dtype: str, arch: str, m: int, n: int, k: int, configs=()) 
     files = [reg.load_config(p, arch=arch, origin="--config") for p in configs]
     r = reg.build_registry(arch, _env_files(arch) + files)
     text = str(dispatch.explain(op, dtype, arch, m, n, k, registry=r))
-    note = explain_note(op, dispatch.dtype_name(dtype), m, k, arch)
+    note = explain_note(op, dispatch.dtype_name(dtype), m, k, arch, n)
     return text if note is None else f"{text}\n{note}"

@@ -248,6 +248,13 @@ def test_explain_names_the_fused_path_where_it_serves():
     assert "split_gemv" in tables.explain("fwd", "fp32", "sm80", 1, 4096, 14336)
     assert "fused:" in tables.explain("dx", "torch.float32", "sm90", 32, 4096, 4096)
     assert "fused:" in tables.explain("fwd", "fp32", "sm90", 64, 4096, 4096)
+    assert "split_tile.py, 32-row blocks of W, 4 chunks" in tables.explain(
+        "fwd", "fp32", "sm90", 64, 4096, 4096)
+    assert "split_tile.py, 64-row blocks of W, 2 chunks" in tables.explain(
+        "fwd", "fp32", "sm90", 20, 8192, 4096)
+    narrow = tables.explain("fwd", "fp32", "sm90", 64, 1024, 4096)
+    assert "split_gemv.py" in narrow and "split_tile" not in narrow
+    assert "split_tile" not in tables.explain("fwd", "fp32", "sm80", 20, 8192, 4096)
     assert "fused:" not in tables.explain("fwd", "fp32", "sm80", 33, 4096, 4096)
     for op, dtype, m, k in [("fwd", "fp32", 65, 4096), ("dw", "fp32", 1, 4096),
                             ("fwd", "bf16", 1, 4096), ("fwd", "fp32", 1, 100)]:
