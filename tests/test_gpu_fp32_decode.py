@@ -1,5 +1,5 @@
 """The fp32 tier's fused path for few rows (`split_decode`: kernels/split_gemv.py, and
-kernels/cluster_gemv.py on sm_90) on the GPU.
+kernels/cluster_gemv.py and kernels/split_tile.py on sm_90) on the GPU.
 
 It must give the bits of the split path it replaces (W split to memory, the chunked GEMM,
 unscale) and of the CPU reference, at every M it serves and for every launch shape, and a
