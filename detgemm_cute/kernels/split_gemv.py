@@ -169,15 +169,10 @@ class SplitGemvFp32:
         acc = cute.make_rmem_tensor((self.per_thread,), cutlass.Float32)
         row_scale = cute.make_rmem_tensor((nb_n,), cutlass.Float32)
         x_scale = self._x_scales(mSx, m_total, lane)
-        per_row = THREADS // rows
-        w_row, sub = tidx // per_row, tidx % per_row
-        quads = cute.size(mWbits, mode=[1])
-
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
             copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
-            self._open_block(copy, rounds, mWbits, w_row, sub, per_row, quads, s_scale, s_inv,
-                             s_tops, tidx)
+            self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
             for nb in cutlass.range_constexpr(nb_n):
                 row_scale[nb] = cutlass.Float32(1.0)
                 if nb * 8 + lane // 4 < rows:
@@ -229,16 +224,19 @@ class SplitGemvFp32:
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
 
     @cute.jit
-    def _open_block(self, copy, rounds, mWbits: cute.Tensor, w_row, sub, per_row, quads,
-                    s_scale: cute.Tensor, s_inv: cute.Tensor, s_tops: cute.Tensor, tidx):
+    def _open_block(self, copy, rounds, mWbits: cute.Tensor, s_scale: cute.Tensor,
+                    s_inv: cute.Tensor, s_tops: cute.Tensor, tidx):
         """A block's start: the first stages - 1 rounds' copies (`copy`: `_copy_round`'s
-        leading arguments) go out before the row maxima, which bring the same lines into
-        L2; then the maxima, W's scales in shared memory, and a barrier."""
+        leading arguments) go out before the row maxima (THREADS / rows threads per row),
+        which bring the same lines into L2; then the maxima, W's scales in shared memory,
+        and a barrier."""
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < rounds:
                 self._copy_round(*copy, s, s, tidx)
             cute.arch.cp_async_commit_group()
-        top = self._row_max(mWbits, copy[6] + w_row, copy[7], sub, per_row, quads)
+        per_row = THREADS // self.rows
+        top = self._row_max(mWbits, copy[6] + tidx // per_row, copy[7], tidx % per_row,
+                            per_row, cute.size(mWbits, mode=[1]))
         self._write_scale(top, s_scale, s_inv, s_tops, tidx)
         cute.arch.sync_threads()
 

@@ -132,15 +132,10 @@ class SplitTileFp32(SplitGemvFp32):
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16 * STEPS)))
         chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8)))
         acc = cute.make_rmem_tensor((4, self.wm), cutlass.Float32)
-        per_row = THREADS // rows
-        w_row, sub = tidx // per_row, tidx % per_row
-        quads = cute.size(mWbits, mode=[1])
-
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
             copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
-            self._open_block(copy, rounds, mWbits, w_row, sub, per_row, quads, s_scale, s_inv,
-                             s_tops, tidx)
+            self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
             w_scale = s_scale[nb * 8 + g]
             acc.fill(0.0)
             for r in cutlass.range(rounds, unroll=1):
