@@ -232,11 +232,14 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
     ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("fwd", "dx")),
+    # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
+    # every problem of bench/shapes/dw_small.txt
+    ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",)),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
                                                            ops):
-    """The built-in small, mid and mid-narrow buckets are what `choice` selects and fits
+    """The built-in small, mid and mid-narrow buckets (and dW's small one) are what `choice` selects and fits
     from the tune records committed next to them (bench/results/tune/): configs are data,
     derived."""
     from pathlib import Path
