@@ -235,13 +235,16 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
     # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
     # every problem of bench/shapes/dw_small.txt
     ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",)),
+    # the forward at 65..128 rows: the 17 kernels of bench/shapes/fwd_m65_128_pool.yaml timed
+    # on every problem of bench/shapes/fwd_m65_128.txt
+    ("m65_128", ("tune_fwd_m65_128",), (65, 128), (1, None), 8, 6, True, ("fwd",)),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
                                                            ops):
-    """The built-in small, mid and mid-narrow buckets (and dW's small one) are what `choice` selects and fits
-    from the tune records committed next to them (bench/results/tune/): configs are data,
-    derived."""
+    """The built-in small, mid, mid-narrow and M 65..128 buckets (and dW's small one) are
+    what `choice` selects and fits from the tune records committed next to them
+    (bench/results/tune/): configs are data, derived."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate

@@ -18,12 +18,13 @@ pytestmark = pytest.mark.skipif(aot_cache.shutil.which("cc") is None
 
 def _keys():
     return aot.warmup_keys("sm_90a", ops=("fwd",), dtypes=("bf16",),
-                           bucket_names=("fwd_small_m", "fwd_decode_m1_16_n1_2112"))
+                           bucket_names=("fwd_decode_m33_64_n1_1536", "fwd_decode_m1_16_n1_2112"))
 
 
 def test_warmup_exports_and_a_second_process_loads_without_compiling(tmp_path, capsys):
-    assert cli.main(["warmup", "--ops", "fwd", "--dtypes", "bf16", "--bucket", "fwd_small_m",
-                     "--bucket", "fwd_decode_m1_16_n1_2112", "--aot-dir", str(tmp_path)]) == 0
+    assert cli.main(["warmup", "--ops", "fwd", "--dtypes", "bf16",
+                     "--bucket", "fwd_decode_m33_64_n1_1536", "--bucket", "fwd_decode_m1_16_n1_2112",
+                     "--aot-dir", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert "warmup: 4 kernels ready for sm_90a" in out.out and "4/4" in out.err
     keys = _keys()
@@ -39,7 +40,7 @@ def test_warmup_exports_and_a_second_process_loads_without_compiling(tmp_path, c
         kc.build = no_compile
         t = time.time()
         fns = [kc.get(k) for _, k in aot.warmup_keys("sm_90a", ops=("fwd",), dtypes=("bf16",),
-               bucket_names=("fwd_small_m", "fwd_decode_m1_16_n1_2112"))]
+               bucket_names=("fwd_decode_m33_64_n1_1536", "fwd_decode_m1_16_n1_2112"))]
         import sys
         print("loaded", len(fns), type(fns[0]).__name__, round(time.time() - t, 3),
               "dsl-imported" if "cutlass" in sys.modules else "dsl-not-imported")

@@ -33,7 +33,7 @@ def test_audit_with_a_user_layer_shows_shadowing(capsys):
                      str(FIXTURES / "user_small_m.yaml")]) == 0
     out = capsys.readouterr().out
     assert "my_decode" in out and "user 1" in out and "user_small_m.yaml" in out
-    assert "fwd_small_m (" in out and "shadows the same-named bucket" in out
+    assert "fwd_decode_m33_64_n1_1536 (" in out and "shadows the same-named bucket" in out
 
 
 @pytest.mark.parametrize("fixture, words", [
@@ -62,11 +62,11 @@ def test_audit_reports_a_broken_builtin(monkeypatch, tmp_path, capsys):
 
 
 def test_explain_names_bucket_file_and_line(capsys):
-    b = R.get_registry("sm90").lookup("fwd", "bf16", 100, 4096, 4096)
-    assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "100", "4096", "4096"]) == 0
+    b = R.get_registry("sm90").lookup("fwd", "bf16", 40, 1000, 4096)
+    assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "40", "1000", "4096"]) == 0
     out = capsys.readouterr().out
     assert b.name in out and f"sm90.yaml:{b.line}" in out
-    assert "M=100 in [65, 128], N=4096 in [1281, 4096], K any" in out
+    assert "M=40 in [33, 64], N=1000 in [1, 1536], K any" in out
 
 
 def test_explain_with_config_shows_shadowed(capsys):

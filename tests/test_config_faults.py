@@ -264,33 +264,36 @@ def test_unbuildable_bucket_in_a_user_layer(tmp_path, tile, stages, words):
 
 def test_user_bucket_shadows_builtin_until_reset(tmp_path, monkeypatch, capsys):
     builtin = R.load_builtin("sm90")
-    small = next(b for b in builtin.buckets if b.name == "fwd_small_m")
-    user = _make(tmp_path, "retune.yaml", "arch: sm90\nbuckets:\n  - name: fwd_small_m\n"
+    small = next(b for b in builtin.buckets if b.name == "fwd_decode_m33_64_n1_1536")
+    user = _make(tmp_path, "retune.yaml", "arch: sm90\nbuckets:\n"
+                 "  - name: fwd_decode_m33_64_n1_1536\n"
                  "    op: fwd\n    dtypes: [bf16, fp16]\n    m: [17, 128]\n    n: [1, 8192]\n"
                  "    tile: [128, 128, 64]\n    stages: 4\n")
     monkeypatch.setenv(R.ENV_VAR, str(user))
     R.reset_user_configs()
-    assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "100", "4096", "4096"]) == 0
+    assert cli.main(["explain", "--op", "fwd", "--dtype", "bf16", "40", "1000", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "bucket:  fwd_small_m (" in out and "retune.yaml:3, layer 1 = user 1)" in out
+    assert "bucket:  fwd_decode_m33_64_n1_1536 (" in out
+    assert "retune.yaml:3, layer 1 = user 1)" in out
     assert "tile 128x128x64" in out
-    assert f"shadows: fwd_small_m ({small.where}, layer 0 = built-in)" in out
+    assert f"shadows: fwd_decode_m33_64_n1_1536 ({small.where}, layer 0 = built-in)" in out
     assert cli.main(["audit", "--arch", "sm90"]) == 0
     out = capsys.readouterr().out
     assert f"retune.yaml [{R.ENV_VAR}]" in out
     assert f"shadows the same-named bucket at {small.where} (built-in)" in out
-    assert D.lookup("fwd", "bf16", "sm90", 100, 4096, 4096).tile == (128, 128, 64)
+    assert D.lookup("fwd", "bf16", "sm90", 40, 1000, 4096).tile == (128, 128, 64)
     R.reset_user_configs()  # the variable is still set: read again
-    assert D.bucket_by_name("sm90", "fwd_small_m").layer == 1
+    assert D.bucket_by_name("sm90", "fwd_decode_m33_64_n1_1536").layer == 1
     monkeypatch.delenv(R.ENV_VAR)
     g = R.generation()
     R.reset_user_configs()
     assert R.generation() > g
-    assert D.lookup("fwd", "bf16", "sm90", 100, 4096, 4096) == small
-    assert D.bucket_by_name("sm90", "fwd_small_m") == small
-    assert cli.main(["explain", "100", "4096", "4096"]) == 0
+    assert D.lookup("fwd", "bf16", "sm90", 40, 1000, 4096) == small
+    assert D.bucket_by_name("sm90", "fwd_decode_m33_64_n1_1536") == small
+    assert cli.main(["explain", "40", "1000", "4096"]) == 0
     out = capsys.readouterr().out
-    assert f"fwd_small_m ({small.where}, layer 0 = built-in)" in out and "retune" not in out
+    assert f"fwd_decode_m33_64_n1_1536 ({small.where}, layer 0 = built-in)" in out
+    assert "retune" not in out
 
 
 # --- grouped buckets: the grouped kernel's own rules ------------------------------------------

@@ -82,7 +82,8 @@ def test_memo_is_cleared_when_configs_change():
     assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "my_decode"
     assert D.lookup("fwd", "fp16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"  # bf16-only bucket
     user = D.lookup("fwd", "fp16", "sm90", 32, 64, 64)
-    assert user.name == "fwd_small_m" and user.layer == 1 and user.tile == (64, 128, 64)
+    assert user.name == "fwd_decode_m33_64_n1_1536" and user.layer == 1
+    assert user.tile == (64, 128, 64)
     R.reset_user_configs()
     assert D.lookup("fwd", "bf16", "sm90", 4, 64, 64).name == "fwd_decode_m1_16_n1_2112"
     assert D.lookup("fwd", "fp16", "sm90", 32, 64, 64).layer == 0
@@ -104,20 +105,20 @@ def test_last_added_layer_wins_and_explain_shows_shadowing(tmp_path):
 
 def test_same_name_shadowing_is_explained():
     R.add_config(FIXTURES / "user_small_m.yaml")
-    assert D.bucket_by_name("sm90", "fwd_small_m").layer == 1
+    assert D.bucket_by_name("sm90", "fwd_decode_m33_64_n1_1536").layer == 1
     ex = D.explain("fwd", "bf16", "sm90", 20, 8, 8)
     assert ex.bucket.layer == 1
     assert ex.shadowed[0].name == "fwd_decode_m17_32_n1_2112"
     assert ex.shadowed[0].layer == 0
-    assert [(b.name, b.layer) for b in ex.same_name] == [("fwd_small_m", 0)]
-    assert "hides:   fwd_small_m (" in str(ex)
+    assert [(b.name, b.layer) for b in ex.same_name] == [("fwd_decode_m33_64_n1_1536", 0)]
+    assert "hides:   fwd_decode_m33_64_n1_1536 (" in str(ex)
     assert "user_small_m.yaml" in str(ex) and "sm90.yaml" in str(ex)
 
 
 def test_explain_reason_and_text():
-    ex = D.explain("fwd", torch.bfloat16, "sm90", 100, 4096, 4096)
-    assert ex.bucket.name == "fwd_small_m" and ex.dtype == "bf16"
-    assert ex.reason == "M=100 in [65, 128], N=4096 in [1281, 4096], K any"
+    ex = D.explain("fwd", torch.bfloat16, "sm90", 40, 1000, 4096)
+    assert ex.bucket.name == "fwd_decode_m33_64_n1_1536" and ex.dtype == "bf16"
+    assert ex.reason == "M=40 in [33, 64], N=1000 in [1, 1536], K any"
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     ex = D.explain("fwd", "fp16", "sm90", 5000, 1, 1)

@@ -247,8 +247,9 @@ def test_add_config_bumps_generation_and_rebuilds():
     assert r1 is not r0 and R.generation() > g0 and r1.generation == R.generation()
     assert [x.layer for x in r1.files] == [0, 1]
     assert r1.table("fwd", "bf16")[0].name == "my_decode"
-    assert r1.bucket("fwd_small_m").layer == 1  # user bucket shadows the built-in name
-    assert [b.layer for b in r1.named("fwd_small_m")] == [1, 0]
+    # the user bucket shadows the built-in name
+    assert r1.bucket("fwd_decode_m33_64_n1_1536").layer == 1
+    assert [b.layer for b in r1.named("fwd_decode_m33_64_n1_1536")] == [1, 0]
     R.reset_user_configs()
     assert len(R.get_registry("sm90").files) == 1
     with pytest.raises(R.NoBucketError, match="no sm90 bucket is named 'nope'"):

@@ -36,8 +36,8 @@ def test_the_short_plan_reaches_every_kernel_path():
 
 
 def test_edges_and_expected_launches():
-    plan = sc.items(["sm90"], sections=("gemm",), only=("fwd_small_m",), quick=False)
-    item = next(it for it in plan if it.bucket.name == "fwd_small_m")
+    plan = sc.items(["sm90"], sections=("gemm",), only=("fwd_decode_m33_64_n1_1536",), quick=False)
+    item = next(it for it in plan if it.bucket.name == "fwd_decode_m33_64_n1_1536")
     bm, bn, bk = item.bucket.tile
     dims = [dict(c.dims) for c in item.calls if c.kind == "linear"]
     assert {(d["M"], d["N"], d["K"]) for d in dims} == {

@@ -337,11 +337,12 @@ def test_warmup_jobs_compiles_in_processes(tmp_path, capsys):
         pytest.skip("needs a C compiler to link the libraries")
     from detgemm_cute import aot, aot_cache
 
-    argv = ["warmup", "--ops", "fwd", "--dtypes", "bf16", "--bucket", "fwd_small_m",
+    argv = ["warmup", "--ops", "fwd", "--dtypes", "bf16", "--bucket", "fwd_decode_m33_64_n1_1536",
             "--jobs", "2", "--aot-dir", str(tmp_path), "--quiet"]
     assert cli.main(argv) == 0
     assert "warmup: 2 kernels ready" in capsys.readouterr().out
-    keys = [k for _, k in aot.warmup_keys("sm_90a", ("fwd",), ("bf16",), ("fwd_small_m",))]
+    keys = [k for _, k in aot.warmup_keys("sm_90a", ("fwd",), ("bf16",),
+                                          ("fwd_decode_m33_64_n1_1536",))]
     assert all(aot_cache.path_for(k, tmp_path).exists() for k in keys)
 
 
