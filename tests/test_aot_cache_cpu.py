@@ -23,8 +23,8 @@ def _keys():
 
 def test_warmup_exports_and_a_second_process_loads_without_compiling(tmp_path, capsys):
     assert cli.main(["warmup", "--ops", "fwd", "--dtypes", "bf16",
-                     "--bucket", "fwd_decode_m33_64_n1_1536", "--bucket", "fwd_decode_m1_16_n1_2112",
-                     "--aot-dir", str(tmp_path)]) == 0
+                     "--bucket", "fwd_decode_m33_64_n1_1536",
+                     "--bucket", "fwd_decode_m1_16_n1_2112", "--aot-dir", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert "warmup: 4 kernels ready for sm_90a" in out.out and "4/4" in out.err
     keys = _keys()

@@ -67,7 +67,7 @@ def test_kernel_fields(fb):
 
 
 def test_fit_cuts_the_bucket_where_the_best_tile_changes(fb, tmp_path):
-    # bmm_m513_wide_n1024 serves M >= 513, N >= 1024, K 65..128: A wins below M 2500, D above
+    # bmm_m513_wide_n1024 serves M >= 513, N >= 1024, K 113..128: A wins below M 2500, D above
     # (B, ping-pong, faster still there, cannot keep the bucket's `direct` kernel)
     d = "bcand.128x128x64_c1x1_s4_p"
     rows = [row(m, {A: 80.0, B: 130.0, d: 131.0, "table": 120.0}) for m in (1024, 1500, 2048)]
@@ -92,7 +92,7 @@ def test_fit_cuts_the_bucket_where_the_best_tile_changes(fb, tmp_path):
 
 
 C = "bcand.128x128x64_c2x1_s4_p"
-QK = "bmm_m513_wide_n1024"  # q @ k^T, S >= 1024, head_dim <= 128: has a built-in `direct`
+QK = "bmm_m513_wide_n1024"  # q @ k^T, S >= 1024, head_dim 113..128: has a built-in `direct`
 
 
 def _threads(r):
