@@ -329,6 +329,17 @@ def test_tune_end_to_end_on_cpu_and_resume(monkeypatch, tmp_path, capsys):
     assert not list(tmp_path.glob("tuned_*.yaml"))     # --check writes a table only with --out
 
 
+def test_the_time_box_does_not_project_the_first_problems_compiles():
+    """The first problem waits for the run's compiles (48.7 s on an H100 for 18 kernels in 14
+    workers): projecting it onto the next problem stopped a 120 s box after one of 24."""
+    from detgemm_cute.tune.run_gpu import next_problem_seconds
+
+    assert next_problem_seconds([]) == 0.0
+    assert next_problem_seconds([48.7]) == 0.0
+    assert next_problem_seconds([48.7, 0.4]) == 0.4
+    assert next_problem_seconds([48.7, 0.4, 2.5]) == 2.5
+
+
 def test_warmup_jobs_compiles_in_processes(tmp_path, capsys):
     pytest.importorskip("cutlass")
     import shutil

@@ -103,6 +103,13 @@ def _note_unbuildable(op, cands, keys, rec, dead) -> None:
             log(f"{op} candidate {c.name} could not be built ({why[:200]}); left out from now on")
 
 
+def next_problem_seconds(durations: list) -> float:
+    """What the time box expects the next problem to take: the last problem's time, but not
+    the first one's, which carries the run's compiles (waiting for the compile workers, or
+    compiling in this process)."""
+    return durations[-1] if len(durations) > 1 else 0.0
+
+
 def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
                 rejected=None) -> int:
     import torch
@@ -137,12 +144,13 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
         log(f"compiling {queued} kernels in {jobs} processes (cached: "
             f"{pool.stats()['cached']})")
     bar = Progress(len(todo), "problems")
-    seen_ops, last_dt, stopped, worker_failures, dead = set(), 0.0, None, {}, {}
+    seen_ops, durations, stopped, worker_failures, dead = set(), [], None, {}, {}
     try:
         with torch.no_grad():
             for i, p in enumerate(todo):
                 elapsed = time.time() - t_start
-                if args.max_seconds is not None and elapsed + 1.5 * last_dt > args.max_seconds:
+                if (args.max_seconds is not None
+                        and elapsed + 1.5 * next_problem_seconds(durations) > args.max_seconds):
                     stopped = f"time box ({args.max_seconds:g} s) reached: {i} of {len(todo)} " \
                               f"problems timed in this run"
                     break
@@ -191,9 +199,9 @@ def tune_on_gpu(args, problems, plan, keys, arch, gpu_arch, jobs, aot_dir, out,
                 _note_unbuildable(p.op, plan[p], keys[p], rec, dead)
                 store.append(args.resume, rec)
                 records.append(rec)
-                last_dt = time.time() - t0
+                durations.append(time.time() - t0)
                 best = min(rec["cands"], key=rec["cands"].get) if rec["cands"] else None
-                bar.update(i + 1, f"{p.text} best {best} ({last_dt:.1f}s)")
+                bar.update(i + 1, f"{p.text} best {best} ({durations[-1]:.1f}s)")
                 torch.cuda.empty_cache()
     finally:
         if pool is not None:
