@@ -331,8 +331,9 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    shape = shape or default_shape(m, n, k, a.device)
-    if not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
+    if shape is None:
+        shape = default_shape(m, n, k, a.device)
+    elif not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
         shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
     inline = isinstance(shape, StreamShape) and shape.x_inline
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
@@ -351,13 +352,13 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         fn = split.compiled_once(key, lambda: compile_cluster_kernel(*shape, bias is not None,
                                                                      arch))
         fn(w, parts, sa, y, bias)
-    elif isinstance(shape, TileShape):
-        w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+        return y
+    w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+    if isinstance(shape, TileShape):
         build = (*shape[:4], bias is not None, arch)
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     else:
-        w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
         if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))

@@ -214,14 +214,21 @@ class SplitGemvFp32:
                 o = tidx + i * THREADS
                 m, n = o // rows, n0 + o % rows
                 if m < m_total and n < n_total:
-                    # Explicit rounding: no contraction into an FMA (split.unscale's bits).
                     inv_x = x_inv[m] if cutlass.const_expr(self.x_inline) else reciprocal(mSx[m])
-                    y = mul_rn(mul_rn(acc[i], inv_x), s_inv[o % rows])
-                    if cutlass.const_expr(self.has_bias):
-                        y = add_rn(y, mBias[n])
-                    mY[(m, n)] = y
+                    self._store_unscaled(mY, mBias, m, n, acc[i], inv_x, s_inv, o % rows)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    @cute.jit
+    def _store_unscaled(self, mY: cute.Tensor, mBias, m, n, value, inv_x, s_inv: cute.Tensor,
+                        row):
+        """Output (m, n): the chunked sum times X's inverse scale and W's (`s_inv[row]`),
+        each product rounded (no contraction into an FMA: split.unscale's bits), plus the
+        bias."""
+        y = mul_rn(mul_rn(value, inv_x), s_inv[row])
+        if cutlass.const_expr(self.has_bias):
+            y = add_rn(y, mBias[n])
+        mY[(m, n)] = y
 
     @cute.jit
     def _open_block(self, copy, rounds, mWbits: cute.Tensor, s_scale: cute.Tensor,

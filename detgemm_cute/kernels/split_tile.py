@@ -42,8 +42,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 
-from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, add_rn, mul_rn, reciprocal,
-                         split_quad)
+from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, reciprocal, split_quad)
 
 M_ROWS = (16, 32, 64)
 ROWS = (16, 32, 64)
@@ -158,11 +157,8 @@ class SplitTileFp32(SplitGemvFp32):
                     col = nb * 8 + 2 * t + v % 2
                     n = n0 + col
                     if m < m_total and n < n_total:
-                        # Explicit rounding: no contraction into an FMA (split.unscale's bits).
-                        y = mul_rn(mul_rn(acc[(v, i)], reciprocal(mSx[m])), s_inv[col])
-                        if cutlass.const_expr(self.has_bias):
-                            y = add_rn(y, mBias[n])
-                        mY[(m, n)] = y
+                        self._store_unscaled(mY, mBias, m, n, acc[(v, i)],
+                                             reciprocal(mSx[m]), s_inv, col)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
 
