@@ -225,13 +225,24 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
 @pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
                          "ops", [
     # every pool timed on the same 415 shapes; the padding term; contenders only
-    ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("fwd", "dx")),
+    ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("dx",)),
+    # the forward at 129..511 rows: the 44 kernels of bench/shapes/fwd_small_pool{,2}.yaml
+    # timed on every problem of bench/shapes/fwd_small.txt (clusters after the phantom-tile
+    # change)
+    ("small", ("tune_fwd_small",), (129, 511), (1, None), 16, 6, True, ("fwd",)),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
     ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
-    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("fwd", "dx")),
+    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),
+    # the forward's narrow outputs at mid M: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
+    # timed on every problem of bench/shapes/fwd_mid.txt
+    ("mid_narrow", ("tune_fwd_mid",), (512, 1535), (1, 2304), 8, 6, True, ("fwd",)),
+    # narrow outputs at prefill M: the 27 kernels of bench/shapes/fwd_prefill_narrow_pool.yaml
+    # timed on every problem of bench/shapes/fwd_prefill_narrow.txt
+    ("prefill_narrow", ("tune_fwd_prefill_narrow",), (1536, 10**9), (1, 2560), 6, 6, True,
+     ("fwd",)),
     # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
     # every problem of bench/shapes/dw_small.txt
     ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",)),
@@ -242,9 +253,9 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
                                                            ops):
-    """The built-in small, mid, mid-narrow and M 65..128 buckets (and dW's small one) are
-    what `choice` selects and fits from the tune records committed next to them
-    (bench/results/tune/): configs are data, derived."""
+    """The built-in small, mid, mid-narrow, prefill-narrow and M 65..128 buckets (and dW's
+    small one) are what `choice` selects and fits from the tune records committed next to
+    them (bench/results/tune/): configs are data, derived."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate

@@ -122,8 +122,9 @@ def test_explain_reason_and_text():
     assert ex.shadowed == () and ex.layer == 0
     assert f"sm90.yaml:{ex.line}" in str(ex) and "no other bucket matches" in str(ex)
     ex = D.explain("fwd", "fp16", "sm90", 5000, 1, 1)
-    assert ex.reason.startswith("M=5000 in [1536, inf), N any, K any; the least predicted time "
-                                "of its ") and ex.bucket.group == "fwd_prefill"
+    assert ex.reason.startswith("M=5000 in [1536, inf), N=1 in [1, 2560], K any; the least "
+                                "predicted time of its ")
+    assert ex.bucket.group == "fwd_prefill_narrow"
     assert len(ex.predicted) > 1 and min(ex.predicted, key=lambda x: x[1])[0] is ex.bucket
     assert f"{ex.bucket.name.split('.')[1]}" in str(ex) and "<- runs" in str(ex)
 
@@ -231,7 +232,7 @@ def test_use_family_validates_and_restores():
 def test_same_name_elsewhere_is_shown_as_hidden(tmp_path):
     R.add_config(_write(tmp_path, "u.yaml", "fwd_decode_m1_16_n1_2112", "[2000, 3000]"))
     ex = D.explain("fwd", "bf16", "sm90", 2500, 8, 8)
-    assert ex.bucket.layer == 1 and [b.group for b in ex.shadowed] == ["fwd_prefill"]
+    assert ex.bucket.layer == 1 and [b.group for b in ex.shadowed] == ["fwd_prefill_narrow"]
     assert [b.layer for b in ex.same_name] == [0]
     assert "hides:   fwd_decode_m1_16_n1_2112 (" in str(ex) and "same name" in str(ex)
     assert D.lookup("fwd", "bf16", "sm90", 4, 8, 8).layer == 0  # built-in range still served

@@ -12,9 +12,10 @@ last tile along M or N (the extent at least one tile) is moved back to end at th
 every TMA box lies inside the tensors; its first rows (columns) are also computed by the
 tile before it, with the same chain, and both store the same bits (not with ``accumulate``,
 whose tiles read C: there the last tile is clipped). Boxes that ran mostly past M measured
-up to 3.6x slower than full ones. Extents shorter than a tile and the tail of K use TMA's
-out-of-bounds zero fill (loads) and clipping (stores); zeros past the end of K contribute
-exact zero products, which leave the chain unchanged.
+up to 3.6x slower than full ones. A cluster's CTA past the last tile moves back the same
+way and repeats the last tile (same chains, same bits). Extents shorter than a tile and the
+tail of K use TMA's out-of-bounds zero fill (loads) and clipping (stores); zeros past the
+end of K contribute exact zero products, which leave the chain unchanged.
 
 Every tile starts its accumulators at +0.0 -- or, with ``accumulate`` (dW += dY^T X), at the
 fp32 values already in C, loaded by each thread for its own fragment -- and accumulates
