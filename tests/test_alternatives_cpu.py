@@ -227,9 +227,15 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
     # every pool timed on the same 415 shapes; the padding term; contenders only
     ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("dx",)),
     # the forward at 129..511 rows: the 44 kernels of bench/shapes/fwd_small_pool{,2}.yaml
-    # timed on every problem of bench/shapes/fwd_small.txt (clusters after the phantom-tile
-    # change)
-    ("small", ("tune_fwd_small",), (129, 511), (1, None), 16, 6, True, ("fwd",)),
+    # and the 16 of fwd_cluster_pool.yaml timed on every problem of bench/shapes/fwd_small.txt
+    # (clusters after the phantom-tile change), and all 60 on fwd_small_m256.txt
+    ("small", ("tune_fwd_small", "tune_fwd_cluster", "tune_fwd_small_m256"), (129, 511),
+     (1, None), 16, 6, True, ("fwd",)),
+    # the forward's wide outputs at M 512..767: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
+    # and the 16 of fwd_cluster_pool.yaml timed on every problem of bench/shapes/fwd_mid.txt,
+    # and all 50 on fwd_mid_m512.txt
+    ("mid_low", ("tune_fwd_mid", "tune_fwd_cluster", "tune_fwd_mid_m512"), (512, 767),
+     (2305, None), 12, 6, True, ("fwd",)),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
     ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),

@@ -1,0 +1,96 @@
+"""Forward rows that fill about one wave of long-K tiles (M 200..800, outputs of 1.5k-5k
+columns): which kernel cuBLASLt (split-K off, the same bits) runs, and what Nsight Compute
+sees in it and in detgemm's pick.
+
+    python bench/probe_onewave.py names --out F.md     # Lt's kernel name per problem
+    ncu --profile-from-start off --clock-control none --metrics M \\
+        python bench/probe_onewave.py ncu 600x9216x2304 296x8192x5120
+
+`names` records the CUDA kernel(s) each Lt call launches (torch.profiler) next to detgemm's
+bucket; `ncu` runs detgemm then Lt once per problem between cudaProfilerStart/Stop, after
+warm-up, on fresh random bf16 inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+import detgemm_cute as dg  # noqa: E402
+from detgemm_cute import dispatch  # noqa: E402
+from detgemm_cute.benchlib.peers import LtNoSplit  # noqa: E402
+
+PROBLEMS = ["256x8192x5120", "296x8192x5120", "200x14336x3584", "256x7168x3584",
+            "256x8192x10240", "256x4096x14336", "512x1024x3072", "512x896x3584",
+            "512x7168x4096", "512x14336x3584", "520x4096x3584", "520x8960x1536",
+            "600x9216x2304", "640x768x3072", "777x3584x4608", "777x1792x3584",
+            "5000x4096x1024", "3000x8192x7392", "2048x3072x768"]
+
+
+def _inputs(spec: str):
+    m, k, n = (int(v) for v in spec.split("x"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    return x, w
+
+
+def _lt(x, w):
+    with LtNoSplit():
+        return torch.mm(x, w.t())
+
+
+def names(problems, out):
+    from torch.profiler import ProfilerActivity, profile
+    lines = [f"# cuBLASLt (split-K off) kernels on {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}", "",
+             "| M x K x N | detgemm bucket | Lt kernel(s) | Lt us (profiler) |",
+             "|---|---|---|---|"]
+    for spec in problems:
+        x, w = _inputs(spec)
+        for _ in range(3):
+            _lt(x, w)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _lt(x, w)
+            torch.cuda.synchronize()
+        kern = [(e.key, e.device_time_total) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        m, k, n = (int(v) for v in spec.split("x"))
+        bucket = str(dispatch.explain("fwd", "bf16", "sm90", m, n, k)).splitlines()[1]
+        bucket = bucket.split()[1]
+        lines.append(f"| {spec} | {bucket} | " + "<br>".join(nm for nm, _ in kern)
+                     + " | " + ", ".join(f"{t:.1f}" for _, t in kern) + " |")
+        print(lines[-1], flush=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def ncu(problems):
+    sets = [_inputs(p) for p in problems]
+    for _ in range(3):
+        for x, w in sets:
+            dg.mm(x, w.t())
+            _lt(x, w)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for x, w in sets:
+        dg.mm(x, w.t())
+        _lt(x, w)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=("names", "ncu"))
+    p.add_argument("problems", nargs="*", default=None)
+    p.add_argument("--out", default="onewave_lt_kernels.md")
+    a = p.parse_args(argv)
+    probs = a.problems or PROBLEMS
+    names(probs, a.out) if a.mode == "names" else ncu(probs)
+
+
+if __name__ == "__main__":
+    main()
