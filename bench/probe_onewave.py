@@ -3,11 +3,14 @@ columns): which kernel cuBLASLt (split-K off, the same bits) runs, and what Nsig
 sees in it and in detgemm's pick.
 
     python bench/probe_onewave.py names --out F.md     # Lt's kernel name per problem
+    python bench/probe_onewave.py clocks --out F.md    # sustained replay: time, SM clock, power
     ncu --profile-from-start off --clock-control none --metrics M \\
         python bench/probe_onewave.py ncu 600x9216x2304 296x8192x5120
 
 `names` records the CUDA kernel(s) each Lt call launches (torch.profiler) next to detgemm's
-bucket; `ncu` runs detgemm then Lt once per problem between cudaProfilerStart/Stop, after
+bucket; `clocks` replays a CUDA graph of each peer's calls (inputs rotating over sets that
+exceed L2, as the bench does) for a few seconds while nvidia-smi samples the SM clock and the
+board power; `ncu` runs detgemm then Lt once per problem between cudaProfilerStart/Stop, after
 warm-up, on fresh random bf16 inputs.
 """
 from __future__ import annotations
@@ -67,6 +70,63 @@ def names(problems, out):
         f.write("\n".join(lines) + "\n")
 
 
+def _graph(fn, sets, reps):
+    """A CUDA graph of `reps` calls of fn over the rotating input sets."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x, w in sets:
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(*sets[i % len(sets)])
+    return g
+
+
+def _sustained(g, reps, seconds):
+    """Replay g for about `seconds`; (median us per call, median SM MHz, median W)."""
+    import statistics
+    import subprocess
+    import time
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    times, t_end = [], time.time() + seconds
+    while time.time() < t_end:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    smi.terminate()
+    rows = [r.split(",") for r in smi.communicate()[0].splitlines() if r.count(",") == 1]
+    mhz = statistics.median(float(r[0]) for r in rows) if rows else float("nan")
+    watt = statistics.median(float(r[1]) for r in rows) if rows else float("nan")
+    return statistics.median(times[len(times) // 4:]), mhz, watt
+
+
+def clocks(problems, out, seconds=3.0):
+    lines = [f"# Sustained CUDA-graph replay on {torch.cuda.get_device_name()}: time per call, "
+             f"median SM clock and board power (nvidia-smi every 50 ms)", "",
+             "| M x K x N | peer | us per call | SM MHz | W |", "|---|---|---|---|---|"]
+    for spec in problems:
+        m, k, n = (int(v) for v in spec.split("x"))
+        per_set = 2 * (m * k + n * k + m * n)
+        nsets = max(2, min(64, -(-4 * 50 * 2 ** 20 // per_set)))
+        sets = [_inputs(spec) for _ in range(nsets)]
+        for name, fn in (("detgemm", lambda x, w: dg.mm(x, w.t())), ("cuBLASLt", _lt)):
+            reps = 4 * nsets
+            us, mhz, watt = _sustained(_graph(fn, sets, reps), reps, seconds)
+            lines.append(f"| {spec} | {name} | {us:.1f} | {mhz:.0f} | {watt:.0f} |")
+            print(lines[-1], flush=True)
+        del sets
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def ncu(problems):
     sets = [_inputs(p) for p in problems]
     for _ in range(3):
@@ -84,12 +144,17 @@ def ncu(problems):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("names", "ncu"))
+    p.add_argument("mode", choices=("names", "ncu", "clocks"))
     p.add_argument("problems", nargs="*", default=None)
     p.add_argument("--out", default="onewave_lt_kernels.md")
     a = p.parse_args(argv)
     probs = a.problems or PROBLEMS
-    names(probs, a.out) if a.mode == "names" else ncu(probs)
+    if a.mode == "names":
+        names(probs, a.out)
+    elif a.mode == "clocks":
+        clocks(probs, a.out)
+    else:
+        ncu(probs)
 
 
 if __name__ == "__main__":
