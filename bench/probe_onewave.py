@@ -1,6 +1,7 @@
-"""Forward rows that fill about one wave of long-K tiles (M 200..800, outputs of 1.5k-5k
-columns): which kernel cuBLASLt (split-K off, the same bits) runs, and what Nsight Compute
-sees in it and in detgemm's pick.
+"""Forward rows that fill about one wave of long-K tiles (M 200..777, outputs of 1.5k-14k
+columns, below 0.9x cuBLASLt in the prefill bench; three larger-M rows as controls): which
+kernel cuBLASLt (split-K off, the same bits) runs, what Nsight Compute sees in it and in
+detgemm's pick, and how both run at the board's power limit.
 
     python bench/probe_onewave.py names --out F.md     # Lt's kernel name per problem
     python bench/probe_onewave.py clocks --out F.md    # sustained replay: time, SM clock, power
@@ -9,13 +10,14 @@ sees in it and in detgemm's pick.
 
 `names` records the CUDA kernel(s) each Lt call launches (torch.profiler) next to detgemm's
 bucket; `clocks` replays a CUDA graph of each peer's calls (inputs rotating over sets that
-exceed L2, as the bench does) for a few seconds while nvidia-smi samples the SM clock and the
-board power; `ncu` runs detgemm then Lt once per problem between cudaProfilerStart/Stop, after
-warm-up, on fresh random bf16 inputs.
+exceed L2, as the bench does; detgemm first, then Lt) for a few seconds while nvidia-smi
+samples the SM clock and the board power of this GPU; `ncu` runs detgemm then Lt once per
+problem between cudaProfilerStart/Stop, after warm-up, on fresh random bf16 inputs.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -90,7 +92,10 @@ def _sustained(g, reps, seconds):
     import statistics
     import subprocess
     import time
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+    gpu = str(torch.cuda.current_device())
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        gpu = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(gpu)]
+    smi = subprocess.Popen(["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     times, t_end = [], time.time() + seconds
@@ -146,13 +151,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("names", "ncu", "clocks"))
     p.add_argument("problems", nargs="*", default=None)
-    p.add_argument("--out", default="onewave_lt_kernels.md")
+    p.add_argument("--out", default=None,
+                   help="markdown file (default: onewave_lt_kernels.md for names, "
+                        "onewave_clocks.md for clocks)")
     a = p.parse_args(argv)
     probs = a.problems or PROBLEMS
     if a.mode == "names":
-        names(probs, a.out)
+        names(probs, a.out or "onewave_lt_kernels.md")
     elif a.mode == "clocks":
-        clocks(probs, a.out)
+        clocks(probs, a.out or "onewave_clocks.md")
     else:
         ncu(probs)
 

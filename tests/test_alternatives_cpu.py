@@ -222,18 +222,47 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
 SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_mcast_pool")
 
 
+def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(tmp_path):
+    """A file of extra candidates without peers merges into the records that have them, in
+    either order; a peer's time is the first file's that has it."""
+    import gzip
+    import json
+
+    from detgemm_cute.tune.fit_command import read_records
+
+    def rec(cands, peers):
+        return {"op": "fwd", "gemm": [512, 4096, 4096], "m": 512, "n": 4096, "k": 4096,
+                "device": "GPU X", "arch": "sm90", "dtype": "bf16", "cands": cands,
+                "fields": {c: {"tile": [128, 128, 64]} for c in cands}, "peers": peers}
+
+    base, extra, other = tmp_path / "base.json.gz", tmp_path / "extra.json.gz", tmp_path / "o.gz"
+    for path, r in ((base, rec({"a": 10.0}, {"cublaslt": 9.0, "cublas": 9.5})),
+                    (extra, rec({"b": 8.0}, {})),
+                    (other, rec({"a": 11.0}, {"cublaslt": 7.0}))):
+        with gzip.open(path, "wt") as f:
+            json.dump({"records": [r]}, f)
+    for order in ((base, extra), (extra, base)):
+        (got,) = read_records(order)
+        assert got["cands"] == {"a": 10.0, "b": 8.0}
+        assert got["peers"] == {"cublaslt": 9.0, "cublas": 9.5}
+        assert set(got["fields"]) == {"a", "b"}
+    (got,) = read_records((base, other))  # a later file's candidate time replaces the first
+    assert got["cands"] == {"a": 11.0} and got["peers"]["cublaslt"] == 9.0
+
+
 @pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
                          "ops", [
     # every pool timed on the same 415 shapes; the padding term; contenders only
     ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("dx",)),
     # the forward at 129..511 rows: the 44 kernels of bench/shapes/fwd_small_pool{,2}.yaml
-    # and the 16 of fwd_cluster_pool.yaml timed on every problem of bench/shapes/fwd_small.txt
-    # (clusters after the phantom-tile change), and all 60 on fwd_small_m256.txt
+    # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
+    # bench/shapes/fwd_small.txt (clusters after the phantom-tile change), all 59 on
+    # fwd_small_m256.txt
     ("small", ("tune_fwd_small", "tune_fwd_cluster", "tune_fwd_small_m256"), (129, 511),
      (1, None), 16, 6, True, ("fwd",)),
     # the forward's wide outputs at M 512..767: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
-    # and the 16 of fwd_cluster_pool.yaml timed on every problem of bench/shapes/fwd_mid.txt,
-    # and all 50 on fwd_mid_m512.txt
+    # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
+    # bench/shapes/fwd_mid.txt, all 49 on fwd_mid_m512.txt
     ("mid_low", ("tune_fwd_mid", "tune_fwd_cluster", "tune_fwd_mid_m512"), (512, 767),
      (2305, None), 12, 6, True, ("fwd",)),
     # fitted before the padding term and the contenders rule (a mid table reselected with
@@ -259,7 +288,7 @@ SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
                                                            ops):
-    """The built-in small, mid, mid-narrow, prefill-narrow and M 65..128 buckets (and dW's
+    """The built-in small, mid, mid-low, mid-narrow, prefill-narrow and M 65..128 buckets (and dW's
     small one) are what `choice` selects and fits from the tune records committed next to
     them (bench/results/tune/): configs are data, derived."""
     from pathlib import Path

@@ -39,7 +39,9 @@ OPENERS = {".gz": gzip.open, ".xz": lzma.open}
 
 def read_records(paths) -> list[dict]:
     """Records of every file; the candidates of one problem (same device, arch, dtype, op and
-    shape: the resume file's key) merged."""
+    shape: the resume file's key) merged. A peer's time comes from the first file that has
+    it, so a file of extra candidates may leave its peers out and the merge does not depend
+    on the order of the files."""
     merged: dict = {}
     for path in paths:
         for rec in _file_records(path):
@@ -47,9 +49,12 @@ def read_records(paths) -> list[dict]:
             if key in merged:
                 merged[key]["cands"].update(rec.get("cands") or {})
                 merged[key]["fields"].update(rec.get("fields") or {})
+                for peer, us in (rec.get("peers") or {}).items():
+                    merged[key]["peers"].setdefault(peer, us)
             else:
                 merged[key] = dict(rec, cands=dict(rec.get("cands") or {}),
-                                   fields=dict(rec.get("fields") or {}))
+                                   fields=dict(rec.get("fields") or {}),
+                                   peers=dict(rec.get("peers") or {}))
     return list(merged.values())
 
 
@@ -104,8 +109,9 @@ def fit_op(records, op: str, args, out) -> list[str]:
     dev = next((r.get("device") for r in records if r.get("device")), "this GPU")
     toks = sorted({getattr(p, token) for p in pts})
     note = (f"tune-fit on {dev}: {len(names)} alternatives, costs from {len(pts)} problems "
-            f"({token.upper()} {toks[0]}..{toks[-1]}); the model's picks "
-            f"{geomean(fitted):.3f}x cuBLASLt no split-K on them" if fitted else "")
+            f"({token.upper()} {toks[0]}..{toks[-1]}); ")
+    note += (f"the model's picks {geomean(fitted):.3f}x cuBLASLt no split-K on them" if fitted
+             else "no cuBLASLt no split-K times in the records to compare the picks with")
     if held:
         note += f", {geomean(held):.3f}x with each {token.upper()} left out"
     out(f"{op}: {note}")
