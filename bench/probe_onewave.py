@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import dispatch  # noqa: E402
-from detgemm_cute.benchlib.peers import LtNoSplit  # noqa: E402
+from detgemm_cute.benchlib import gpu, peers, timing  # noqa: E402
+from detgemm_cute.benchlib.shapes import Problem  # noqa: E402
 
 PROBLEMS = ["256x8192x5120", "296x8192x5120", "200x14336x3584", "256x7168x3584",
             "256x8192x10240", "256x4096x14336", "512x1024x3072", "512x896x3584",
@@ -42,7 +43,7 @@ def _inputs(spec: str):
 
 
 def _lt(x, w):
-    with LtNoSplit():
+    with peers.LtNoSplit():
         return torch.mm(x, w.t())
 
 
@@ -63,8 +64,7 @@ def names(problems, out):
         kern = [(e.key, e.device_time_total) for e in prof.key_averages()
                 if e.device_time_total > 0]
         m, k, n = (int(v) for v in spec.split("x"))
-        bucket = str(dispatch.explain("fwd", "bf16", "sm90", m, n, k)).splitlines()[1]
-        bucket = bucket.split()[1]
+        bucket = dispatch.explain("fwd", "bf16", "sm90", m, n, k).bucket.name
         lines.append(f"| {spec} | {bucket} | " + "<br>".join(nm for nm, _ in kern)
                      + " | " + ", ".join(f"{t:.1f}" for _, t in kern) + " |")
         print(lines[-1], flush=True)
@@ -73,17 +73,13 @@ def names(problems, out):
 
 
 def _graph(fn, sets, reps):
-    """A CUDA graph of `reps` calls of fn over the rotating input sets."""
+    """A CUDA graph of `reps` calls of fn over the rotating input sets (benchlib's warm-up)."""
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x, w in sets:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
+    timing.warm(fn, sets, stream)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         for i in range(reps):
-            fn(*sets[i % len(sets)])
+            fn(sets[i % len(sets)])
     return g
 
 
@@ -119,11 +115,12 @@ def clocks(problems, out, seconds=3.0):
              "| M x K x N | peer | us per call | SM MHz | W |", "|---|---|---|---|---|"]
     for spec in problems:
         m, k, n = (int(v) for v in spec.split("x"))
-        per_set = 2 * (m * k + n * k + m * n)
-        nsets = max(2, min(64, -(-4 * 50 * 2 ** 20 // per_set)))
-        sets = [_inputs(spec) for _ in range(nsets)]
-        for name, fn in (("detgemm", lambda x, w: dg.mm(x, w.t())), ("cuBLASLt", _lt)):
-            reps = 4 * nsets
+        # the bench's input sets: fresh random operands, enough of them to exceed L2
+        sets, _ = timing.make_sets(Problem("fwd", m, k, n), torch.bfloat16, gpu.l2_bytes(),
+                                   with_out=False)
+        for name, fn in (("detgemm", peers.detgemm_call("fwd", peers.detgemm_api())),
+                         ("cuBLASLt", peers.lt_call("fwd"))):
+            reps = 4 * len(sets)
             us, mhz, watt = _sustained(_graph(fn, sets, reps), reps, seconds)
             lines.append(f"| {spec} | {name} | {us:.1f} | {mhz:.0f} | {watt:.0f} |")
             print(lines[-1], flush=True)
