@@ -345,9 +345,6 @@ def _grouped_problems(values, limits) -> list[tuple[str, str]]:
     elif values["op"] == "grouped_k" and values["pingpong"] is not False:
         out.append(("persistent", "the grouped_k kernel is persistent and cooperative: set "
                                   "persistent: true (and no pingpong)"))
-    if values["op"] == "grouped" and values["cluster"][0] != 1:
-        out.append(("cluster", f"a grouped kernel's clusters share an M tile: cluster [1, CN], "
-                               f"got {list(values['cluster'])}"))
     if values["tile"][0] < 64:
         out.append(("tile", f"grouped tiles have BM >= 64, got {values['tile'][0]}"))
     elif values["op"] == "grouped_k" and (values["tile"][0] % 64 or values["tile"][1] % 64):

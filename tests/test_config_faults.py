@@ -305,8 +305,6 @@ def _grouped(extra, arch="sm90", op="grouped", tile="[128, 128, 64]"):
 
 @pytest.mark.parametrize("op, tile, extra, words", [
     ("grouped", "[128, 128, 64]", "", "field 'persistent': the grouped kernel is persistent"),
-    ("grouped", "[128, 128, 64]", "    persistent: true\n    cluster: [2, 1]\n",
-     r"field 'cluster': a grouped kernel's clusters share an M tile: cluster \[1, CN\]"),
     ("grouped_k", "[128, 128, 64]", "    persistent: true\n    pingpong: true\n",
      "field 'persistent': the grouped_k kernel is persistent and cooperative"),
     ("grouped_k", "[128, 160, 64]", "    persistent: true\n",
@@ -327,10 +325,11 @@ def test_grouped_bucket_in_a_family_without_the_kernel(tmp_path):
         R.add_config(path)
 
 
-def test_a_grouped_user_bucket_loads_and_builds_grouped_keys(tmp_path):
+@pytest.mark.parametrize("cluster", ["[1, 2]", "[2, 1]", "[2, 2]"])
+def test_a_grouped_user_bucket_loads_and_builds_grouped_keys(tmp_path, cluster):
     from detgemm_cute import aot
 
-    path = _make(tmp_path, "ok.yaml", _grouped("    persistent: true\n    cluster: [1, 2]\n"))
+    path = _make(tmp_path, "ok.yaml", _grouped(f"    persistent: true\n    cluster: {cluster}\n"))
     layer = R.add_config(path)
     try:
         (b,) = layer.buckets

@@ -90,7 +90,8 @@ def _user_layer(tmp_path, tile, cluster, stages, pingpong):
 
 # Ping-pong grouped kernels (two consumer warpgroups on alternate tiles) as a user layer: the
 # table may or may not pick one, so the path is proven here either way.
-PINGPONG = [((128, 192, 64), (1, 2), 5), ((128, 128, 64), (1, 1), 6), ((64, 256, 64), (1, 2), 5)]
+PINGPONG = [((128, 192, 64), (1, 2), 5), ((128, 128, 64), (1, 1), 6), ((64, 256, 64), (1, 2), 5),
+            ((128, 192, 64), (2, 1), 5), ((128, 128, 64), (2, 2), 6)]
 
 
 @pytest.mark.parametrize("tile,cluster,stages", PINGPONG)
@@ -107,8 +108,13 @@ def test_pingpong_grouped_matches_mm(tmp_path, tile, cluster, stages):
 
 
 # Cooperative grouped tiles no built-in bucket uses, as a user layer: a 256-row tile (two
-# warpgroups holding alternate 64-row blocks), a 64-row one, a 128-row one on one CTA.
-COOPERATIVE = [((256, 128, 64), (1, 2), 4), ((64, 128, 64), (1, 1), 6), ((128, 128, 64), (1, 1), 6)]
+# warpgroups holding alternate 64-row blocks), a 64-row one, a 128-row one on one CTA; and
+# clusters along M (the weight tile multicast; groups of an odd tile count get a padding
+# tile that stores nothing), 2 or 4 CTAs along M, with and without 2 along N.
+COOPERATIVE = [((256, 128, 64), (1, 2), 4), ((64, 128, 64), (1, 1), 6),
+               ((128, 128, 64), (1, 1), 6), ((128, 256, 64), (2, 1), 4),
+               ((128, 128, 64), (2, 2), 6), ((256, 128, 64), (2, 1), 4),
+               ((64, 256, 64), (2, 1), 5), ((128, 192, 64), (4, 1), 4)]
 
 
 @pytest.mark.parametrize("tile,cluster,stages", COOPERATIVE)

@@ -272,35 +272,37 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         buffer 0, drained before the turn passes), as in `Sm90GemmPingpong`; a tile that
         stores or reads nothing still takes both turns, so the consumers keep alternating.
         Cooperative tiles (`halves_idle`): a warpgroup with none of the group's rows passes
-        the stages without MMAs; its accumulators stay +0.0 and are never stored. A tile
+        the stages without MMAs; its accumulators stay +0.0 and are never stored. A
+        cluster's padding tile (rows 0, CM > 1) passes them the same way. A tile
         that ends inside it is stored by the threads: from registers up to BM/4 rows (and in
         ping-pong), else staged through shared memory like a full tile, each warp storing a
         run of consecutive elements (1.06-1.15x the layer's speed at 64-96 rows per expert,
         bench/results/grouped-partial-store-ab_*; 0.98-1.00x at 8-16, hence registers)."""
         if cutlass.const_expr(self.pingpong):
             self._turn_wait(consumer, _MMA_TURN)
-        idle = False  # this warpgroup's 64 rows all lie past the group's end
+        # This warpgroup stores none of the tile's rows: a cluster's padding tile (rows 0,
+        # CM > 1), or (`halves_idle`) its 64 rows all lie past the group's end.
+        idle_below = 0
         if cutlass.const_expr(self.halves_idle):
-            idle = place.rows <= consumer * (self.tile_shape_mnk[0] // 2)
+            idle_below = consumer * (self.tile_shape_mnk[0] // 2)
         if place.rows > 0:
             acc.fill(0.0)
-            if place.loads:
-                read.reset_count()
-                release.reset_count()
-                if idle:
-                    read, release = self._pass_stages(ab_pipeline, read, release, k_tiles)
-                else:
-                    read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
-                                                      acc, tCrA, tCrB, k_tiles, None,
-                                                      drain=not self.pingpong)
+        if place.loads:
+            read.reset_count()
+            release.reset_count()
+            if place.rows <= idle_below:
+                read, release = self._pass_stages(ab_pipeline, read, release, k_tiles)
+            else:
+                read, release, _ = self._mainloop(ab_pipeline, read, release, tiled_mma,
+                                                  acc, tCrA, tCrB, k_tiles, None,
+                                                  drain=not self.pingpong)
         if cutlass.const_expr(self.pingpong):
             self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
-        if place.rows > 0:
-            if place.loads:
-                if cutlass.const_expr(self.pingpong):
-                    cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release)
-                release.advance()
+        if place.loads:
+            if cutlass.const_expr(self.pingpong):
+                cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release)
+            release.advance()
         if cutlass.const_expr(self.pingpong):
             self._turn_wait(consumer, _EPI_TURN)
         if place.rows > 0:
@@ -551,8 +553,10 @@ class Sm90GemmGrouped(_OffsCall, Sm90GemmPersistent):
     token's bits do not depend on how many tokens its group received, nor on the others.
     Rows past the last group are stored as zeros. The grid has rows // BM + groups + 1 M
     tiles (an upper bound); scheduled tiles past the last one store nothing. A has its rows
-    K-major, C is row-major, B is [G, N, K] or [G, K, N] (L mode = group); clusters multicast
-    A only (cluster [1, CN]: the CTAs of a cluster share an M tile, so a group)."""
+    K-major, C is row-major, B is [G, N, K] or [G, K, N] (L mode = group). Clusters
+    multicast A along N (a cluster row shares a row tile) and B along M: each group's row
+    tiles are padded to a multiple of CM, so a cluster column always holds one group's
+    tiles; a padding tile streams its share of the weight and stores nothing."""
 
     grouped = True
 

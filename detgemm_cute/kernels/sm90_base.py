@@ -410,13 +410,15 @@ class Sm90Base:
     def _group_table(self, table, mOffs, total):
         """Fill the shared table of the groups' first tiles (all threads, once per CTA):
         group g (g == len(offs): the rows past the last group) has ceil(rows / BM) tiles,
-        and table[g] is the number of tiles of the groups before it."""
+        rounded up to a multiple of the cluster's M size CM, and table[g] is the number of
+        tiles of the groups before it."""
         bm = self.tile_shape_mnk[0]
+        cm = self.cluster_shape_mn[0]
         groups = cute.size(mOffs)
         tidx, _, _ = cute.arch.thread_idx()
         for g in cutlass.range(tidx, groups + 1, self.threads_per_cta, unroll=1):
             start, end = self._group_rows(mOffs, total, g)
-            table[g + 1] = (end - start + bm - 1) // bm
+            table[g + 1] = ((end - start + bm - 1) // bm + cm - 1) // cm * cm
             if g < groups:
                 self._check_offs(mOffs, total, g)
         cute.arch.sync_threads()
@@ -428,27 +430,34 @@ class Sm90Base:
 
     def _group_grid_m(self, rows, groups):
         """M tiles of a grouped kernel's grid: an upper bound on the groups' row tiles
-        (rows // BM, one more per group, one for the zero rows past the last group)."""
-        return rows // self.tile_shape_mnk[0] + groups + 1
+        (rows // BM, CM more per group and for the zero rows past the last group: each
+        group's count is rounded up to a multiple of CM), a multiple of CM."""
+        cm = self.cluster_shape_mn[0]
+        return (rows // self.tile_shape_mnk[0] + (groups + 1) * cm + cm - 1) // cm * cm
 
     @cute.jit
     def _group_place(self, mC_mn, groups, tile):
         """Grouped kernels: where scheduled tile `tile` (m, n, l) lies among the groups.
 
-        Group g owns ceil(rows / BM) row tiles (`_group_table`), and the schedule runs the
-        groups one after the other: tile (m, n) is number m + M * (n // CN) of the grid in
-        the scheduler's M-major order (M: the grid's M tiles, CN the cluster's N size), and
-        the groups take that order in turn, each as its row tiles x the cluster columns of
-        N with its row tiles fastest. So a group's rows of A stay in L2 while its weight
-        streams past them once; the CTAs of a cluster keep one row tile (A multicast). A
-        row tile starts at its group's start + i * BM; the last one of a group of at least
-        BM rows moves back to end at the group's end (its first rows are also computed by
-        the tile before it, with the same chain and weight: the same bits); a group shorter
-        than BM has one tile whose rows past the group are computed but not stored. With
-        `halves_idle`, a last tile that holds at most BM/2 of the group's rows stays in place
-        instead (stored by the threads, `Sm90GemmPersistent._grouped_tile`): the warpgroup of its second half has none of
-        the group's rows and skips its MMAs. The rows past the last group form one more group
-        that reads nothing and stores zeros. Tiles past the last one store nothing."""
+        Group g owns ceil(rows / BM) row tiles, rounded up to a multiple of the cluster's M
+        size CM (`_group_table`), and the schedule runs the groups one after the other: tile
+        (m, n) is number m + M * (n // CN) of the grid in the scheduler's M-major order (M:
+        the grid's M tiles, a multiple of CM; CN the cluster's N size), and the groups take
+        that order in turn, each as its row tiles x the cluster columns of N with its row
+        tiles fastest. So a group's rows of A stay in L2 while its weight streams past them
+        once. The CTAs of a cluster row keep one row tile (A multicast); the CM CTAs of a
+        cluster column always hold row tiles of one group in one column (B multicast: the
+        group's weight tile). A padding tile (past a group's row tiles, CM > 1) reads and
+        multicasts like the group's last tile, runs no MMAs and stores nothing (rows 0,
+        loads True). A row tile starts at its group's start + i * BM; the last one of a
+        group of at least BM rows moves back to end at the group's end (its first rows are
+        also computed by the tile before it, with the same chain and weight: the same bits);
+        a group shorter than BM has one tile whose rows past the group are computed but not
+        stored. With `halves_idle`, a last tile that holds at most BM/2 of the group's rows
+        stays in place instead (stored by the threads, `Sm90GemmPersistent._grouped_tile`):
+        the warpgroup of its second half has none of the group's rows and skips its MMAs.
+        The rows past the last group form one more group that reads nothing and stores
+        zeros. Tiles past the last one store nothing."""
         mOffs, table = groups
         bm, bn, _ = self.tile_shape_mnk
         cn = self.cluster_shape_mn[1]
@@ -470,7 +479,13 @@ class Sm90Base:
         local = order - table[lo] * columns
         start, end = self._group_rows(mOffs, total, lo)
         rows = end - start
-        row0 = start + (local % row_tiles) * bm
+        tile_m = local % row_tiles
+        padding = False  # a cluster's padding tile (CM > 1 only)
+        if cutlass.const_expr(self.cluster_shape_mn[0] > 1):
+            padding = tile_m * bm >= rows
+            if padding:
+                tile_m = cutlass.max((rows + bm - 1) // bm - 1, 0)
+        row0 = start + tile_m * bm
         if rows >= bm:
             if cutlass.const_expr(self.halves_idle):
                 if end - row0 > bm // 2:  # else: the first half alone, in place
@@ -480,6 +495,9 @@ class Sm90Base:
         stored = cutlass.min(end - row0, bm)
         if order >= table[count + 1] * columns:
             stored = 0
+        if cutlass.const_expr(self.cluster_shape_mn[0] > 1):
+            if padding:
+                stored = 0
         n = (local // row_tiles) * cn + tile[1] % cn
         off_n = self._tail_offset(n, cute.size(mC_mn, mode=[1]), bn, self.tail_align[1])
         return TilePlace(0, n, 0, cutlass.min(lo, count - 1), row0, off_n, stored, lo < count)
