@@ -219,9 +219,6 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
                      "--out", str(box)]) == 2
 
 
-SMALL_POOLS = ("tune_small", "tune_mid", "tune_wide", "tune_raster_pool", "tune_mcast_pool")
-
-
 def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(tmp_path):
     """A file of extra candidates without peers merges into the records that have them, in
     either order; a peer's time is the first file's that has it."""
@@ -252,8 +249,10 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
 
 @pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
                          "ops", [
-    # every pool timed on the same 415 shapes; the padding term; contenders only
-    ("small", SMALL_POOLS, (129, 511), (1, None), 24, 6, True, ("dx",)),
+    # dX at 129..511 rows: the 60 kernels of bench/shapes/dx_pool.yaml (the dx_small, dx_mid
+    # and dx_mid_narrow alternatives before, and fwd_cluster_pool.yaml's) timed on every other
+    # problem of bench/shapes/fwd_small.txt and fwd_mid.txt after the cluster ragged-tail fix
+    ("small", ("tune_dx_pool",), (129, 511), (1, None), 16, 6, True, ("dx",)),
     # the forward at 129..511 rows: the 44 kernels of bench/shapes/fwd_small_pool{,2}.yaml
     # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
     # bench/shapes/fwd_small.txt (clusters after the phantom-tile change), all 59 on
