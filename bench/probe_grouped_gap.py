@@ -16,7 +16,6 @@ dense kernels' at these sizes.
     python bench/probe_grouped_gap.py --out "$OUT/grouped_gap.json"
 """
 
-import argparse
 import json
 import sys
 
@@ -26,6 +25,7 @@ import detgemm_cute as dg
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, time_units
 from moe_layers import BF16, lt_loop, make_set, torch_grouped, torch_loop
+from sweep_common import probe_args
 
 # (label, experts, rows, K, N): Mixtral 8x7B's unfused up and down projections at 2 and 8
 # thousand tokens x top-2, and its fused up projection at 1024 tokens.
@@ -64,12 +64,8 @@ def copy_loop(mm):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    err, _ = gpu.gpu_check()
-    if err:
-        print(err, file=sys.stderr)
+    args = probe_args(__doc__, argv)
+    if args is None:
         return 1
     gen = torch.Generator().manual_seed(0)
     cap = torch.cuda.Stream()

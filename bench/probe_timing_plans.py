@@ -10,7 +10,6 @@ tune / bench / tune / bench in one process, and prints each kernel's speed relat
     python bench/probe_timing_plans.py --out "$OUT/timing_plans.json"
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.shapes import Problem
 from detgemm_cute.benchlib.timing import BENCH_PLAN, TUNE_PLAN, make_sets, time_units
+from sweep_common import probe_args
 
 # The kernels in dispute (tile, cluster, stages, options) and the problems (op, M, K, N of the
 # layer, kernels): the first from the dX bench, the second from the pool, the third both.
@@ -63,12 +63,8 @@ def lt(s):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    err, _ = gpu.gpu_check()
-    if err:
-        print(err, file=sys.stderr)
+    args = probe_args(__doc__, argv)
+    if args is None:
         return 1
     tmp = tempfile.TemporaryDirectory()
     layer(Path(tmp.name) / "probe.yaml")

@@ -1,10 +1,12 @@
-"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`) and the path A/B
-(`ab_paths.py`) share: the candidates declared as the alternatives of one user bucket (so
-each is forced by name), one timed row of candidates and peers, the records file, and a
-dispatch policy replaced for a comparison."""
+"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`), the path A/B
+(`ab_paths.py`) and the probes share: the candidates declared as the alternatives of one user
+bucket (so each is forced by name), one timed row of candidates and peers, the records file,
+a dispatch policy replaced for a comparison, and a probe's `--out` argument."""
 
+import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 from detgemm_cute import batched, gemm, registry
@@ -71,3 +73,16 @@ def write_records(out: str, names, rows, fields=None, **meta) -> None:
     if fields is not None:
         record["candidate_fields"] = fields
     Path(out).write_text(json.dumps(record, indent=1))
+
+
+def probe_args(doc: str, argv=None):
+    """A probe's arguments (`--out FILE`), or None after printing why this machine cannot run
+    it (no usable GPU)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    err, _ = gpu.gpu_check()
+    if err:
+        print(err, file=sys.stderr)
+        return None
+    return args
