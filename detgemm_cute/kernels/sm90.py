@@ -553,11 +553,11 @@ class Sm90GemmGrouped(_OffsCall, Sm90GemmPersistent):
     token's bits do not depend on how many tokens its group received, nor on the others.
     Rows past the last group are stored as zeros. The grid has rows // BM + (groups + 1) x CM
     M tiles, rounded up to a multiple of CM (an upper bound); scheduled tiles past the last
-    one store nothing. A has its rows
-    K-major, C is row-major, B is [G, N, K] or [G, K, N] (L mode = group). Clusters
-    multicast A along N (a cluster row shares a row tile) and B along M: each group's row
-    tiles are padded to a multiple of CM, so a cluster column always holds one group's
-    tiles; a padding tile streams its share of the weight and stores nothing."""
+    one store nothing. A has its rows K-major, C is row-major, B is [G, N, K] or [G, K, N]
+    (L mode = group). Clusters multicast A along N (a cluster row shares a row tile) and B
+    along M: each group's row tiles are padded to a multiple of CM, so a cluster column
+    always holds one group's tiles; a padding tile streams its share of the weight and
+    stores nothing."""
 
     grouped = True
 
