@@ -7,15 +7,13 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 - `stream` / `cluster`: the two fused kernels at their default shapes, forced
   (`SplitGemvFp32`; `ClusterGemvFp32` on sm_90 where M <= CLUSTER_M or with the cluster
   sweep), whichever the path picks;
-- `fused_*` / `cluster_*` / `tile_*` / `inline_*` / `resident_*` (``--sweep``): the
-  kernels at each shape `SWEEP`, `CLUSTER_BUDGETS`, `TILE_SWEEP`, `INLINE_SWEEP` and
-  `RESIDENT_SWEEP` give, forced;
+- `fused_*` / `cluster_*` / `tile_*` / `inline_*` (``--sweep``): the kernels at each
+  shape `SWEEP`, `CLUSTER_BUDGETS`, `TILE_SWEEP` and `INLINE_SWEEP` give, forced;
 - `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
   floor of any kernel that reads the fp32 weight.
 Bits: every detgemm unit against `split_path` on the first input set.
 
-    python bench/bench_fp32_decode.py --out $OUT
-        [--sweep [cluster|stream|tile|inline|resident]]
+    python bench/bench_fp32_decode.py --out $OUT [--sweep [cluster|stream|tile|inline]]
         [--max-seconds 300]
 """
 
@@ -52,16 +50,13 @@ TILE_SWEEP = [(r, g, s, c) for r in (16, 32, 64)
 # kernel (X in fp32, M <= 16).
 INLINE_SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 2, 2, 2), (8, 1, 4, 2), (8, 4, 2, 2),
                 (8, 2, 3, 1), (16, 1, 3, 1), (16, 2, 2, 1)]
-# (rows, group, CTAs per SM) of the streaming kernel with a whole block resident in shared
-# memory (`resident`: stages = a block's rounds; X in fp32, its scales in the kernel).
-RESIDENT_SWEEP = [(2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 2, 1)]
 # Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
 CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
 
-FORCED = ("fused_", "cluster", "stream", "tile", "inline", "resident")  # units that force one kernel and shape
+FORCED = ("fused_", "cluster", "stream", "tile", "inline")  # units that force one kernel and shape
 
 
 def split_path(s):
@@ -91,20 +86,6 @@ def forced_inline(m, n, rows, group, stages, per_sm, sms):
         return None
     shape = split_decode.StreamShape(m_rows, rows, group, stages,
                                      min(-(-n // rows), per_sm * sms), True, True)
-    return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
-
-
-def forced_resident(m, n, k, rows, group, per_sm, sms):
-    """The streaming kernel with a block's rounds all in shared memory (X in fp32, its row
-    scales taken in the kernel, M <= 4)."""
-    if m > split_decode.X_INLINE_M:
-        return None
-    m_rows, stages = split_decode.m_rows_for(m), split_decode.resident_stages(k, group)
-    smem = split_decode.smem_bytes(m_rows, rows, group, stages, True, True)
-    if smem * per_sm > split_decode.SMEM_LIMIT:
-        return None
-    shape = split_decode.StreamShape(m_rows, rows, group, stages,
-                                     min(-(-n // rows), per_sm * sms), True, True, True)
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
@@ -154,10 +135,6 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
         for rows, group, stages, per_sm in INLINE_SWEEP:
             units[f"inline_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_inline(
                 m, n, rows, group, stages, per_sm, sms)
-    if sweep in ("all", "resident"):
-        for rows, group, per_sm in RESIDENT_SWEEP:
-            units[f"resident_r{rows}_g{group}_c{per_sm}"] = forced_resident(
-                m, n, k, rows, group, per_sm, sms)
     if sweep in ("all", "tile"):
         for rows, group, stages, per_sm in TILE_SWEEP:
             units[f"tile_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_tile(
@@ -230,7 +207,7 @@ def main() -> int:
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
     ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
     ap.add_argument("--sweep", nargs="?", const="all",
-                    choices=["all", "cluster", "stream", "tile", "inline", "resident"],
+                    choices=["all", "cluster", "stream", "tile", "inline"],
                     help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()

@@ -153,7 +153,6 @@ class StreamShape(NamedTuple):
     ctas: int
     x_fp32: bool = False
     x_inline: bool = False  # X's row scales taken in the kernel: no split kernel launch
-    resident: bool = False  # a stage per round of a block (stages >= rounds): W read once
 
 
 def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False,
@@ -210,12 +209,6 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
         per_sm = CTAS_PER_SM if fits else 1
     blocks = -(-n // rows)
     return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32)
-
-
-def resident_stages(k: int, group: int) -> int:
-    """The rounds of one block at K (`group` chunks per warp and round): the stages a
-    `resident` launch needs."""
-    return -(-(k // split.BLOCK_K) // (_WARPS * group))
 
 
 class TileShape(NamedTuple):
@@ -343,10 +336,6 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     elif not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
         shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
     inline = isinstance(shape, StreamShape) and shape.x_inline
-    if isinstance(shape, StreamShape) and shape.resident and \
-            resident_stages(k, shape.group) > shape.stages:
-        raise ValueError(f"decode_gemm: {shape} holds {shape.stages} rounds of a block, "
-                         f"K = {k} has {resident_stages(k, shape.group)}")
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
@@ -374,7 +363,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
         build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
-                 shape.x_fp32, shape.x_inline, shape.resident)
+                 shape.x_fp32, shape.x_inline)
         fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, shape.ctas)
     return y
@@ -414,7 +403,7 @@ def _compile(kernel, args, arch: str, extra_options: str):
 
 def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
                    arch: str, x_fp32: bool = False, x_inline: bool = False,
-                   resident: bool = False, extra_options: str = ""):
+                   extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
@@ -422,8 +411,7 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
     from .kernels.split_gemv import SplitGemvFp32
 
     w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32, x_inline)
-    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline,
-                                  resident),
+    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline),
                     (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
 
 

@@ -84,41 +84,6 @@ def test_every_launch_shape_same_bits(m):
     assert ran >= 6
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 8])
-def test_resident_launch_shapes_same_bits(m):
-    """The streaming kernel with whole blocks in shared memory (`resident`): 2, 4 and 8
-    rows of W, 1 or 2 chunks per warp and round, exactly a block's rounds of stages and
-    more, grids of 1, 7 and 2 x SMs CTAs (blocks after the first stream in under the one
-    before), X in fp32 with its scales in the kernel (and from the split kernel), a partial
-    last block and round, with and without bias."""
-    g = torch.Generator(device=DEV).manual_seed(300 + m)
-    n, k = 600, 2048 + 32 * 7
-    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
-    want, want_nb = split_path(x, w, bias), split_path(x, w)
-    m_rows, ran = split_decode.m_rows_for(m), 0
-    for rows in (2, 4, 8):
-        for group in (1, 2):
-            need = split_decode.resident_stages(k, group)
-            for extra, x_inline in ((0, m_rows <= 4), (3, False)):
-                if split_decode.smem_bytes(m_rows, rows, group, need + extra, True,
-                                           x_inline) > split_decode.SMEM_LIMIT:
-                    continue
-                for i, ctas in enumerate((1, 7, 2 * SMS)):
-                    shape = split_decode.StreamShape(m_rows, rows, group, need + extra,
-                                                     ctas, True, x_inline, True)
-                    poison()
-                    if (i + group) % 2:
-                        got, ref = split_decode.decode_gemm(x, w, bias, shape), want
-                    else:
-                        got, ref = split_decode.decode_gemm(x, w, None, shape), want_nb
-                    assert same_bits(got, ref), shape
-                    ran += 1
-    assert ran >= 18
-    with pytest.raises(ValueError, match="rounds of a block"):
-        split_decode.decode_gemm(x, w, None, split_decode.StreamShape(
-            m_rows, 4, 2, split_decode.resident_stages(k, 2) - 1, 7, True, False, True))
-
-
 @pytest.mark.parametrize("m", [9, 16, 17, 29, 33, 41, 64])
 def test_every_tile_shape_same_bits(m):
     """`SplitTileFp32`: every rows/group/stages it takes (16, 32, 64 rows of W; 1, 2, 4, 8

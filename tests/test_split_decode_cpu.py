@@ -61,7 +61,7 @@ def test_launch_shape_arithmetic(m, n, k, cap):
         return
     limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
     shape = split_decode.launch_shape(m, n, k, 132, limit)
-    m_rows, rows, group, stages, ctas, x_fp32, x_inline, resident = shape
+    m_rows, rows, group, stages, ctas, x_fp32, x_inline = shape
     assert isinstance(shape, split_decode.StreamShape)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
     assert m_rows in (1, 2, 4, 8, 16, 32, 64)

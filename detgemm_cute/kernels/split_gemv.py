@@ -32,14 +32,6 @@ round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
    powers of two are built from exponent bits, exact), plus bias[n] in fp32,
    stored as fp32 (the caller rounds to another output dtype, as the split path does).
 
-With `resident` (few rows of X, blocks of few rows of W) the ring has one stage per round
-of a block, so a whole block sits in shared memory and W is read from memory once: the
-first block's rounds (and X's rows, which then stay) are copied at the start; a block
-opens once all its copies have landed, and takes its row maxima from shared memory instead
-of step 2's second read; in step 3 no round waits, and after a round's barrier its stage
-takes the same round of the CTA's next block, so the next block streams in under this
-one's chunks.
-
 Inside a 16-wide K block the chain adds 16 exact products at once (the block sum does not
 depend on their order: docs/reference.md), so a thread's four values of a block are the
 consecutive K indices 4t..4t+3 (one 16-byte read of W, one 8-byte read of X's parts) placed
@@ -67,29 +59,25 @@ WARPS = THREADS // 32
 STEPS = 6  # 16-wide steps per chunk
 _LOADS = 8  # pass 1: 16-byte loads per thread per iteration
 _TOP_EXP = 13  # a row's largest scaled magnitude lies in [2^13, 2^14)
-RESIDENT_MAX_STAGES = 128  # `resident`: one stage per round of a block
 
 
 class SplitGemvFp32:
     """One CTA per block of ``rows`` rows of W (2, 4, 8 or 16; persistent: the launch's grid
     may be smaller than the block count), ``m_rows`` rows of X at most (a power of two up to
     64: the m16 tiles and the shared-memory rows of X), ``group`` chunks per warp and round,
-    ``stages`` rounds in the cp.async ring (``resident``: at least a block's rounds, checked
-    by the caller), optional fp32 bias, X staged as fp32 and split in registers
-    (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
+    ``stages`` rounds in the cp.async ring, optional fp32 bias, X staged as fp32 and split
+    in registers (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                 x_fp32: bool = False, x_inline: bool = False, resident: bool = False):
-        stage_range = (1, RESIDENT_MAX_STAGES) if resident else (2, 6)
+                 x_fp32: bool = False, x_inline: bool = False):
         if (m_rows not in (1, 2, 4, 8, 16, 32, 64) or rows not in (2, 4, 8, 16)
-                or group not in (1, 2, 4) or not stage_range[0] <= stages <= stage_range[1]
+                or group not in (1, 2, 4) or not 2 <= stages <= 6
                 or (x_inline and (not x_fp32 or m_rows > 16))):
             raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32, 64), rows in "
-                             f"(2, 4, 8, 16), group in (1, 2, 4), stages {stage_range[0]}.."
-                             f"{stage_range[1]}, x_inline only with x_fp32 and m_rows <= 16; "
-                             f"got {m_rows}, {rows}, {group}, {stages}, {x_fp32}, {x_inline}")
+                             f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6, x_inline only "
+                             f"with x_fp32 and m_rows <= 16; got {m_rows}, {rows}, {group}, "
+                             f"{stages}, {x_fp32}, {x_inline}")
         self.x_inline = x_inline  # X's row scales taken in the kernel (mSx unused)
-        self.resident = resident  # a whole block in the stages: W read once
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
         self.rows, self.group, self.stages = rows, group, stages
         self.bn = max(8, rows)  # the MMA's N extent: n8 blocks, rows past `rows` unused
@@ -181,30 +169,18 @@ class SplitGemvFp32:
         acc = cute.make_rmem_tensor((self.per_thread,), cutlass.Float32)
         row_scale = cute.make_rmem_tensor((nb_n,), cutlass.Float32)
         x_scale = self._x_scales(mSx, m_total, lane)
-        if cutlass.const_expr(self.resident):  # the first block's rounds, X's with them
-            if bidx < blocks:
-                first = (g2s_w, g2s_a, mW, mA8, s_w, s_a, bidx * rows, n_total, chunks, m_total)
-                for r in cutlass.range(rounds, unroll=1):
-                    self._copy_round(*first, r, r, tidx)
-            cute.arch.cp_async_commit_group()
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
             copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
-            if cutlass.const_expr(self.resident):
-                self._open_resident_block(s_w, n0, n_total, chunks, s_scale, s_inv, s_tops,
-                                          tidx)
-            else:
-                self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
+            self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
             for nb in cutlass.range_constexpr(nb_n):
                 row_scale[nb] = cutlass.Float32(1.0)
                 if nb * 8 + lane // 4 < rows:
                     row_scale[nb] = s_scale[nb * 8 + lane // 4]
             acc.fill(0.0)
             for r in cutlass.range(rounds, unroll=1):
-                stage = r
-                if cutlass.const_expr(not self.resident):
-                    self._open_round(copy, r, rounds, tidx)
-                    stage = r % stages
+                self._open_round(copy, r, rounds, tidx)
+                stage = r % stages
                 for gi in cutlass.range_constexpr(grp):
                     slot = warp * grp + gi
                     if r * self.slots + slot < chunks:
@@ -219,13 +195,6 @@ class SplitGemvFp32:
                                       frag_b[(None, None, s)], chunk)
                         self._store_chunk(chunk, s_parts, slot, m_total, lane)
                 cute.arch.sync_threads()
-                if cutlass.const_expr(self.resident):
-                    # Every warp is done with this stage: it takes the next block's round r
-                    # (W only: X's rounds stay).
-                    if blk + ctas < blocks:
-                        self._copy_round(g2s_w, g2s_a, mW, mA8, s_w, s_a, n0 + ctas * rows,
-                                         n_total, chunks, m_total, r, r, tidx, False)
-                    cute.arch.cp_async_commit_group()
                 in_round = chunks - r * self.slots
                 for i in cutlass.range_constexpr(self.per_thread):
                     o = tidx + i * THREADS
@@ -247,9 +216,8 @@ class SplitGemvFp32:
                 if m < m_total and n < n_total:
                     inv_x = x_inv[m] if cutlass.const_expr(self.x_inline) else reciprocal(mSx[m])
                     self._store_unscaled(mY, mBias, m, n, acc[i], inv_x, s_inv, o % rows)
-            if cutlass.const_expr(not self.resident):
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the next block rewrites the scales and the stages
 
     @cute.jit
     def _store_unscaled(self, mY: cute.Tensor, mBias, m, n, value, inv_x, s_inv: cute.Tensor,
@@ -280,31 +248,6 @@ class SplitGemvFp32:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _open_resident_block(self, s_w: cute.Tensor, n0, n_total, chunks, s_scale: cute.Tensor,
-                             s_inv: cute.Tensor, s_tops: cute.Tensor, tidx):
-        """A block's start with `resident` stages: all its rounds have landed (after the
-        barrier, every thread's copies); the row maxima from shared memory (THREADS / rows
-        threads per row, 16-byte reads in memory order; zero past N), W's scales, a
-        barrier. The previous block's stores have passed the first barrier, so its scales
-        may be overwritten."""
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        per_row = THREADS // self.rows
-        row, sub = tidx // per_row, tidx % per_row
-        bits = cute.make_tensor(cute.recast_ptr(s_w.iterator, dtype=cutlass.Int32), s_w.layout)
-        top = cutlass.Int32(0)
-        if n0 + row < n_total:
-            for q in cutlass.range(sub, chunks * 8, per_row, unroll=4):
-                c = q // 8
-                vals = cute.make_rmem_tensor((4,), cutlass.Int32)
-                cute.autovec_copy(bits[(None, q % 8, c % self.slots, row, c // self.slots)],
-                                  vals)
-                for i in cutlass.range_constexpr(4):
-                    top = cutlass.max(top, vals[i] & SIGN_OFF)
-        self._write_scale(top, s_scale, s_inv, s_tops, tidx)
-        cute.arch.sync_threads()
-
-    @cute.jit
     def _open_round(self, copy, r, rounds, tidx):
         """Round r has landed (at most stages - 2 newer groups in flight), and after the
         barrier every warp is done with round r - 1, whose stage takes round
@@ -330,11 +273,9 @@ class SplitGemvFp32:
 
     @cute.jit
     def _copy_round(self, g2s_w, g2s_a, mW: cute.Tensor, mA8: cute.Tensor, s_w: cute.Tensor,
-                    s_a: cute.Tensor, n0, n_total, chunks, m_total, r, stage, tidx,
-                    with_x: cutlass.Constexpr = True):
+                    s_a: cute.Tensor, n0, n_total, chunks, m_total, r, stage, tidx):
         """cp.async round r's W rows and X's rows (fp32 or parts; 16-byte vectors, threads
-        in memory order; X's only `with_x`) into `stage`; nothing past N, M or the last chunk
-        (never read)."""
+        in memory order) into `stage`; nothing past N, M or the last chunk (never read)."""
         c0 = r * self.slots
         w_vecs = self.rows * self.slots * 8
         for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
@@ -345,7 +286,7 @@ class SplitGemvFp32:
                 cute.copy(g2s_w, mW[(n0 + row, c0 + sl, v // 4, v % 4, None)],
                           s_w[(None, v, sl, row, stage)])
         vecs = self.a_vec[1]
-        a_vecs = self.m_rows * self.slots * vecs if with_x else 0
+        a_vecs = self.m_rows * self.slots * vecs
         for i in cutlass.range_constexpr(-(-a_vecs // THREADS)):
             u = tidx + i * THREADS
             v, rest = u % vecs, u // vecs
