@@ -49,9 +49,9 @@ A_ROWS_MIN_K = 256
 
 def reads_a_rows(arch: str, bucket, k: int = A_ROWS_MIN_K) -> bool:
     """Whether `bucket`'s tile reads a K-major A of unaligned rows (K = `k`) with the
-    producer warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles keep their
-    zero-padded stages) and BK = 64 (one 128-byte swizzle atom a row), not swapped,
-    K >= A_ROWS_MIN_K."""
+    producer warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles load BM-row
+    TMA boxes into stages BM rows apart; the producer's rows are laid out for 64 and up) and
+    BK = 64 (one 128-byte swizzle atom a row), not swapped, K >= A_ROWS_MIN_K."""
     return (arch == "sm90" and bucket.tile[0] >= 64 and bucket.tile[2] == 64
             and not getattr(bucket, "swap_ab", False) and k >= A_ROWS_MIN_K)
 

@@ -203,6 +203,9 @@ def build(key: KernelKey, extra_options: str = ""):
 def _kernel_options(key: KernelKey) -> dict:
     """Constructor options only some kernel families take."""
     opts = {}
+    if family_of(key.arch) == "sm90" and key.tile[0] < 64 and key.a_major != "k":
+        raise ValueError("sm90 row tiles (BM < 64) read a K-major A: their stages lie BM rows "
+                         "apart (the op layer stages an M-major A K-major first)")
     if key.swap_ab and family_of(key.arch) != "sm90":
         raise ValueError(f"swapped operands have sm90 kernels only, not {key.arch}")
     if key.split:

@@ -387,3 +387,33 @@ def test_import_touches_no_cuda(monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.suites.suite_problems("quick")
+
+
+def test_compare_runs_renders_the_stored_decode_ab(capsys, tmp_path):
+    """bench/compare_runs.py on the committed decode A/B pair gives the record's numbers (the
+    speed ratio, the cuBLAS drift, the floor counts); it refuses a file that is no bench_gemm
+    record and two records with no problem in common."""
+    root = os.path.dirname(_PATH)
+    spec = importlib.util.spec_from_file_location("compare_runs_under_test",
+                                                  os.path.join(root, "compare_runs.py"))
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    stem = os.path.join(root, "results", "decode-row-tile-ab_nvidia-h100-80gb-hbm3")
+    old, new = stem + "_old.json.gz", stem + "_new.json.gz"
+    floor = os.path.join(root, "results", "chain_floor_nvidia-h100-80gb-hbm3.json.gz")
+    assert cr.main([old, new, "--floor", floor, "--title", "t"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# t") and "320 problems in both runs" in text
+    assert "new / old: **1.033x**" in text and "old: 1.002x" in text
+    assert "| old | 320 | 1.337 | 2.160 | 104 |" in text
+    assert "| new | 320 | 1.295 | 2.030 | 127 |" in text
+    with open(stem + ".md", encoding="utf-8") as f:
+        assert "| `fwd_decode_m1_16_n1_2112` | 50 | 1.066 |" in f.read()
+    bogus = tmp_path / "x.json"
+    bogus.write_text(json.dumps({"meta": {}}))
+    assert cr.main([old, str(bogus)]) == 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": [{"op": "fwd", "M": 3, "K": 5, "N": 7,
+                                           "peers": {"detgemm": {"us": 1.0}}}]}))
+    assert cr.main([old, str(other)]) == 1
+    assert "no problem is in both records" in capsys.readouterr().err

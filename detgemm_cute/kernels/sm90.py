@@ -29,12 +29,14 @@ persistent tile schedule) and `Sm90GemmPingpong` (the same producer; two consume
 warpgroups take alternate tiles, so one's epilogue runs under the other's mainloop). They
 differ only in which tile a CTA or warpgroup runs when, never in the arithmetic of a tile.
 
-Row tiles (BM = 8, 16 or 32, for decode): WGMMA always computes 64 rows, so a row tile keeps a
-64-row shared A tile per stage whose rows BM..63 are zeroed once at kernel start; TMA loads
-only the BM rows that belong to the tile (K-major A), and only those BM rows are stored. A
-stage then carries BM rows of X next to the weight tile instead of a 64-row box that is
-mostly zero fill. The zero rows feed products into accumulator rows that are never stored;
-each stored row is the same chain as with a 64-row tile.
+Row tiles (BM = 8, 16 or 32, for decode): WGMMA always computes 64 rows; TMA loads only the
+BM rows that belong to the tile (K-major A), and only those BM rows are stored. A stage then
+carries BM rows of X next to the weight tile instead of a 64-row box that is mostly zero
+fill. The A stages are BM rows apart in shared memory, so WGMMA's rows BM..63 of a stage are
+the following stages' rows (`Sm90Base._row_tile_a_smem`): they feed products into
+accumulator rows that are never stored, and a row of the product depends on its own row of
+A alone, so each stored row is the same chain as with a 64-row tile. A stage costs BM rows
+of A instead of 64, which leaves room for more stages of the weight in flight.
 
 Rows TMA cannot address (`a_loads`, `Sm90GemmPersistent` only): a K-major A whose row pitch
 is not a multiple of 16 bytes (p @ v's softmax rows at an odd sequence length) is read by the

@@ -174,7 +174,7 @@ class Sm90Base:
         mma_tile = (self.mma_m, bn, bk)
         if cutlass.const_expr(self.row_tile):
             # Rows outermost, so the BM rows TMA loads are a prefix of each stage.
-            a_smem = self._row_major_a_smem(self.mma_m)
+            a_smem = self._row_tile_a_smem()
             a_load = self._row_major_a_smem(bm)
         else:
             a_smem = sm90_utils.make_smem_layout_a(
@@ -227,13 +227,28 @@ class Sm90Base:
                                                                     self._raw_words()], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    def _row_major_a_smem(self, rows):
-        """K-major A stages with the 8-row swizzle atoms ordered K first, rows outermost:
-        the first `rows` rows of a stage are then one contiguous prefix (row tiles only)."""
+    def _a_atom(self):
         bk = self.tile_shape_mnk[2]
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+        return cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.a_layout, self.a_dtype, bk), self.a_dtype)
-        return cute.tile_to_shape(atom, (rows, bk, self.ab_stage), order=(1, 0, 2))
+
+    def _row_major_a_smem(self, rows):
+        """K-major A stages of `rows` rows with the 8-row swizzle atoms ordered K first,
+        rows outermost: a stage is one contiguous block (what TMA loads for a row tile)."""
+        bk = self.tile_shape_mnk[2]
+        return cute.tile_to_shape(self._a_atom(), (rows, bk, self.ab_stage), order=(1, 0, 2))
+
+    def _row_tile_a_smem(self):
+        """A row tile's A stages as WGMMA reads them: 64 rows each (`_row_major_a_smem`'s
+        order), but stage s starts at s x BM rows, right after the BM rows of stage s - 1.
+        WGMMA's rows BM..63 of a stage are then the next stages' rows (and, for the last
+        ones, the buffer's 64 - BM rows of slack): whatever they hold only reaches
+        accumulator rows that are never stored, since a row of the product depends on its
+        own row of A alone. A stage costs BM rows of shared memory instead of 64."""
+        bm, _, bk = self.tile_shape_mnk
+        one = cute.tile_to_shape(self._a_atom(), (self.mma_m, bk), order=(1, 0))
+        stages = cute.append(one.outer, cute.make_layout(self.ab_stage, stride=bm * bk))
+        return cute.make_composed_layout(one.inner, 0, stages)
 
     @staticmethod
     def _align16(dtype, contiguous: bool) -> int:
@@ -294,8 +309,6 @@ class Sm90Base:
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
         )
-        if cutlass.const_expr(self.row_tile):
-            self._zero_row_tile_padding(storage)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -526,28 +539,6 @@ class Sm90Base:
         return gC
 
     @cute.jit
-    def _zero_row_tile_padding(self, storage):
-        """Row tiles: zero rows BM..63 of every A stage once (TMA never writes them), with
-        16-byte stores from every thread, then make them visible to WGMMA (async proxy)."""
-        bm, _, bk = self.tile_shape_mnk
-        row_words = bk * self.a_dtype.width // 32
-        stage_words = self.mma_m * row_words
-        chunks = (self.mma_m - bm) * row_words // 4  # 16-byte chunks of padding per stage
-        base = cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32) + bm * row_words
-        pad = cute.make_tensor(base, cute.make_layout((4, chunks, self.ab_stage),
-                                                      stride=(1, 4, stage_words)))
-        zero = cute.make_rmem_tensor((4,), cutlass.Int32)
-        zero.fill(0)
-        tidx, _, _ = cute.arch.thread_idx()
-        total = chunks * self.ab_stage
-        for i in cutlass.range_constexpr(-(-total // self.threads_per_cta)):
-            c = tidx + i * self.threads_per_cta
-            if c < total:
-                cute.autovec_copy(zero, pad[(None, c % chunks, c // chunks)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-
-    @cute.jit
     def _load_k_tile(self, ab_pipeline, state, tma_atom_a, tAgA_k, tAsA, a_mask,
                      tma_atom_b, tBgB_k, tBsB, b_mask):
         """TMA k tile `state.count` of this output tile into stage `state.index`."""
@@ -685,7 +676,8 @@ class Sm90Base:
             mC_in = mC_in_mnl[(None, None, tile_l)]
             bm, bn, _ = self.tile_shape_mnk
             if cutlass.const_expr(self.row_tile):
-                # Accumulator rows BM..63 are padding: they stay 0 and are never stored.
+                # Accumulator rows BM..63 start at 0, take the products of other stages'
+                # rows (`_row_tile_a_smem`) and are never stored.
                 cC = cute.make_identity_tensor((self.mma_m, bn))
                 tCcC = thr_mma_thread.partition_C(cC)
                 m0, n0 = tile_m * bm, tile_n * bn

@@ -10,8 +10,9 @@ from __future__ import annotations
 from . import limits_common
 
 # BM < 64 ("row tiles", for decode): WGMMA still computes 64 rows, but TMA loads only BM
-# rows of A into a 64-row shared tile whose other rows stay zero, and only BM rows are
-# stored, so a stage carries BM rows of X instead of a 64-row box that is mostly zero fill.
+# rows of A, the stages lie BM rows apart (WGMMA's other rows of a stage are the next
+# stages' rows, products never stored), and only BM rows are stored, so a stage carries BM
+# rows of X instead of a 64-row box that is mostly zero fill.
 # BM 256: two consumer warpgroups of 128 rows each (two 64-row WGMMAs per k step); a
 # swapped 256-row tile covers 256 weight rows per token tile, the wide tiles cuBLAS runs.
 TILE_M = (8, 16, 32, 64, 128, 256)
@@ -22,6 +23,9 @@ WIDE_TILE_N_MAX = 192
 # Multiples of 16 WGMMA takes (n16..n256) whose epilogue sub-tile (32 or 16 columns) divides
 # them; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120). BN 8
 # (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
+# The odd multiples of 8 cuBLAS runs (88, 104, 152, 168) do not build: the DSL (4.8.1)
+# aborts slicing a stage of 128-byte swizzle atoms whose count along the tile is odd
+# (104 x 64 and 104 x 128 do, 112 x 64 and 8 x 128 slice; 2026-11-27).
 TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 TILE_K = (64, 128)
 # The fp32 tier (split.py: 16-bit parts, chunked chain): a k tile is one chunk of six 16-wide
@@ -102,7 +106,10 @@ def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False,
     16-bit operands (and the fp32 tier's parts), 4 for tf32."""
     bm, bn, bk = tile
     er, ec = epilogue_tile(bm, bn, bk == SPLIT_TILE_K, pingpong)
-    return (stages * (mma_rows(bm) + bn) * bk * in_bytes + BARRIER_BYTES
+    # A row tile's stages are BM rows apart; WGMMA reads 64 from each (the last one's reach
+    # past the stages: mma_rows - BM rows of slack).
+    a_rows = stages * bm + mma_rows(bm) - bm
+    return ((a_rows + stages * bn) * bk * in_bytes + BARRIER_BYTES
             + EPI_BYTES_PER_ROWCOL * er * ec)
 
 
