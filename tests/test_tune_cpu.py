@@ -66,6 +66,18 @@ def test_wave_arithmetic():
     assert all(bm <= 64 for bm, _, _ in small)
 
 
+def test_row_tiles_also_get_the_depth_of_a_64_row_stage():
+    """A row tile's variants: the most stages that fit, then (persistent, 1x1) the stages a
+    64-row A stage would leave (16x32x128: 16, then 8); a 64-row tile has no such variant."""
+    sp, mach = C.space_for("sm90"), C.Machine()
+
+    def plain(cands):  # the persistent 1x1 variants without extra options, their stages
+        return [c.stages for c in cands if c.persistent and c.cluster == (1, 1) and not c.extra]
+
+    assert plain(C.tile_variants(1, 4096, 16, 32, 128, sp, mach)) == [16, 8]
+    assert plain(C.tile_variants(64, 4096, 64, 32, 128, sp, mach)) == [8]
+
+
 def test_extra_options_pass_through():
     # A key the limits do not know (a layer's own kernel field) passes through as it is.
     sp = C.space_for("sm90", {"a_rows": (16, 8)})

@@ -33,6 +33,7 @@ How the list is built, for a GEMM of M rows, N columns and reduction K on a GPU 
 4. Variants per tile shape, in this order:
      v0 persistent, cluster 1x1, the most stages that fit (one CTA per SM)
         then v0 with each non-default value of each extra option (the limits accept)
+     (row tiles, BM < 64: v0 again with the stages a 64-row A stage would leave, if fewer)
      v1 persistent, a 2-CTA cluster along the dimension with more tiles (if >= 2 tiles there)
         then v1 with each extra option value, as for v0
      v2 one tile per CTA, cluster 1x1, the most stages that fit
@@ -247,6 +248,15 @@ def tile_variants(m, n, bm, bn, bk, space: Space, machine: Machine,
         if want in space.clusters and (tm if want == (2, 1) else tn) >= 2:
             cluster = want
     raw = [(True, (1, 1), full)]
+    rows = space.mma_rows(bm)
+    if rows > bm:
+        # A row tile's stages hold BM rows of A, so the most that fit can be twice the depth
+        # of a 64-row stage's; that depth lost 5-8% on some decode rows (16x32x128: 16
+        # against 8 stages, bench/results/tune/decode-row-tile-stages_*), so it is a
+        # candidate too.
+        shallow = space.max_stages((rows, bn, bk))
+        if 2 <= shallow < full:
+            raw.append((True, (1, 1), shallow))
     if cluster:
         raw.append((True, cluster, full))
     raw.append((False, (1, 1), full))
