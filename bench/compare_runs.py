@@ -18,7 +18,7 @@ BANDS = ((0, 5), (5, 10), (10, 20), (20, 50), (50, None))  # detgemm us in the o
 
 
 def _rows(path: str) -> dict:
-    with floorlib._open_text(path) as f:
+    with floorlib.open_text(path) as f:
         data = json.load(f)
     return {(r["op"], r["M"], r["K"], r["N"]): r for r in data["rows"]
             if ((r.get("peers") or {}).get("detgemm") or {}).get("us")}

@@ -169,8 +169,8 @@ def _bucket_keys(bucket, arch: str, which: str):
     (`batched.reads_a_rows`), so a warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
     for call in _variants(bucket, which):
-        if family == "sm90" and bucket.tile[0] < 64 and call["a_major"] != "k":
-            continue  # row tiles read a K-major A (the op layer stages an M-major one)
+        if not kcompile.a_major_builds(arch, bucket.tile[0], call["a_major"]):
+            continue  # never asked for: the op layer stages such an A first
         key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)
         yield call, key
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")

@@ -200,10 +200,17 @@ def build(key: KernelKey, extra_options: str = ""):
                         options=f"--enable-tvm-ffi --gpu-arch {key.arch} {extra_options}".strip())
 
 
+def a_major_builds(arch: str, tile_m: int, a_major: str) -> bool:
+    """Whether a kernel of this family and BM reads an A of this major: an sm90 row tile
+    (BM < 64) loads BM-row boxes of a K-major A into stages BM rows apart, so the op layer
+    stages an M-major A K-major first."""
+    return not (family_of(arch) == "sm90" and tile_m < 64 and a_major != "k")
+
+
 def _kernel_options(key: KernelKey) -> dict:
     """Constructor options only some kernel families take."""
     opts = {}
-    if family_of(key.arch) == "sm90" and key.tile[0] < 64 and key.a_major != "k":
+    if not a_major_builds(key.arch, key.tile[0], key.a_major):
         raise ValueError("sm90 row tiles (BM < 64) read a K-major A: their stages lie BM rows "
                          "apart (the op layer stages an M-major A K-major first)")
     if key.swap_ab and family_of(key.arch) != "sm90":

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from detgemm_cute import aot, cli, registry
+from detgemm_cute import compile as kcompile
 
 
 @pytest.mark.slow
@@ -235,6 +236,24 @@ def test_warmup_all_includes_the_direct_store_twins():
     assert any(k.cluster != (1, 1) for _, k in keys if k.batched and not k.c_direct)
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_90a", variants="core"))
     assert not any(k.c_direct for _, k in aot.warmup_keys("sm_80", variants="all"))
+
+
+def test_sm90_row_tiles_read_a_k_major_a_only():
+    """Row tiles' A stages lie BM rows apart, which only a K-major A fills: building an
+    M-major one is refused before the DSL runs, and `--variants all` never asks for it (the
+    op layer stages such an A K-major); other tiles and sm80 take both."""
+    assert not kcompile.a_major_builds("sm_90a", 16, "m")
+    assert kcompile.a_major_builds("sm_90a", 16, "k")
+    assert kcompile.a_major_builds("sm_90a", 64, "m")
+    assert kcompile.a_major_builds("sm_80", 16, "m")
+    key = kcompile.KernelKey(tile=(16, 32, 128), cluster=(1, 1), stages=4, persistent=True,
+                             dtype="bf16", out_dtype="bf16", a_major="m", b_form="nk",
+                             b_contig="last", has_bias=False)
+    with pytest.raises(ValueError, match="row tiles"):
+        kcompile.build(key)
+    keys = [k for _, k in aot.warmup_keys("sm_90a", variants="all")]
+    assert any(k.tile[0] < 64 for k in keys)
+    assert all(k.a_major == "k" for k in keys if k.tile[0] < 64)
 
 
 def test_operands_contiguous_in_m_or_n_are_staged_in_their_own_layout():

@@ -49,7 +49,7 @@ class FloorModel:
 
     @classmethod
     def load(cls, path: str) -> "FloorModel":
-        with _open_text(path) as f:
+        with open_text(path) as f:
             return cls(json.load(f))
 
     def step_ns(self, n: int, form: str = "wgmma", steps: int = 8, depth: int = 1):
@@ -81,7 +81,7 @@ class FloorModel:
                 "ratio": det / floor_us if det else None}
 
 
-def _open_text(path: str):
+def open_text(path: str):
     """A stored record, gzip-compressed (``.gz``) or not."""
     import gzip
 
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if len(argv) != 2:
         print(main.__doc__.strip(), file=sys.stderr)
         return 2
-    with _open_text(argv[0]) as f:
+    with open_text(argv[0]) as f:
         rows = json.load(f)["rows"]
     model = FloorModel.load(argv[1])
     attach(rows, model)
