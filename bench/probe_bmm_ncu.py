@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import batched, dispatch  # noqa: E402
+from ncu_common import profiled, write_kernel_table  # noqa: E402
 
 PROBLEMS = ["64x4000x128", "64x4000x80", "64x4000x64", "64x3000x128", "256x1000x128",
             "160x1500x128", "96x2500x96"]
@@ -42,41 +43,20 @@ def _layout(q, kt) -> str:
 
 
 def names(problems, out):
-    from torch.profiler import ProfilerActivity, profile
-    lines = [f"# torch.bmm (cuBLAS) kernels for q @ k^T on {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}", "",
-             "| L x S x D | detgemm bucket | cuBLAS kernel(s) | cuBLAS us (profiler) |",
-             "|---|---|---|---|"]
-    for spec in problems:
+    def row(spec):
         q, kt = _inputs(spec)
-        for _ in range(3):
-            torch.bmm(q, kt)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.bmm(q, kt)
-            torch.cuda.synchronize()
-        kern = [(e.key, e.device_time_total) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        lines.append(f"| {spec} | {_layout(q, kt)} | " + "<br>".join(nm for nm, _ in kern)
-                     + " | " + ", ".join(f"{t:.1f}" for _, t in kern) + " |")
-        print(lines[-1], flush=True)
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        return _layout(q, kt), lambda: torch.bmm(q, kt)
+
+    write_kernel_table(out, f"# torch.bmm (cuBLAS) kernels for q @ k^T on "
+                       f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
+                       ("L x S x D", "detgemm bucket", "cuBLAS kernel(s)", "cuBLAS us (profiler)"),
+                       problems, row)
 
 
 def ncu(problems):
     sets = [_inputs(p) for p in problems]
-    for _ in range(3):
-        for q, kt in sets:
-            dg.bmm(q, kt)
-            torch.bmm(q, kt)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for q, kt in sets:
-        dg.bmm(q, kt)
-        torch.bmm(q, kt)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profiled([call for q, kt in sets
+              for call in (lambda q=q, kt=kt: dg.bmm(q, kt), lambda q=q, kt=kt: torch.bmm(q, kt))])
 
 
 def main(argv=None):

@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from ncu_common import profiled
 
 import detgemm_cute as dg
 
@@ -22,14 +23,5 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.manual_seed(0)
 data = [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda") * k ** -0.5)
         for m, k, n in SHAPES]
-for _ in range(3):
-    for x, w in data:
-        dg.linear(x, w)
-        F.linear(x, w)
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-for x, w in data:
-    dg.linear(x, w)
-    F.linear(x, w)
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+profiled([call for x, w in data
+          for call in (lambda x=x, w=w: dg.linear(x, w), lambda x=x, w=w: F.linear(x, w))])

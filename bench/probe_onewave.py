@@ -27,6 +27,7 @@ import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import dispatch  # noqa: E402
 from detgemm_cute.benchlib import gpu, peers, timing  # noqa: E402
 from detgemm_cute.benchlib.shapes import Problem  # noqa: E402
+from ncu_common import profiled, write_kernel_table  # noqa: E402
 
 PROBLEMS = ["256x8192x5120", "296x8192x5120", "200x14336x3584", "256x7168x3584",
             "256x8192x10240", "256x4096x14336", "512x1024x3072", "512x896x3584",
@@ -48,28 +49,15 @@ def _lt(x, w):
 
 
 def names(problems, out):
-    from torch.profiler import ProfilerActivity, profile
-    lines = [f"# cuBLASLt (split-K off) kernels on {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}", "",
-             "| M x K x N | detgemm bucket | Lt kernel(s) | Lt us (profiler) |",
-             "|---|---|---|---|"]
-    for spec in problems:
+    def row(spec):
         x, w = _inputs(spec)
-        for _ in range(3):
-            _lt(x, w)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _lt(x, w)
-            torch.cuda.synchronize()
-        kern = [(e.key, e.device_time_total) for e in prof.key_averages()
-                if e.device_time_total > 0]
         m, k, n = (int(v) for v in spec.split("x"))
-        bucket = dispatch.explain("fwd", "bf16", "sm90", m, n, k).bucket.name
-        lines.append(f"| {spec} | {bucket} | " + "<br>".join(nm for nm, _ in kern)
-                     + " | " + ", ".join(f"{t:.1f}" for _, t in kern) + " |")
-        print(lines[-1], flush=True)
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        return dispatch.explain("fwd", "bf16", "sm90", m, n, k).bucket.name, lambda: _lt(x, w)
+
+    write_kernel_table(out, f"# cuBLASLt (split-K off) kernels on {torch.cuda.get_device_name()}, "
+                       f"torch {torch.__version__}",
+                       ("M x K x N", "detgemm bucket", "Lt kernel(s)", "Lt us (profiler)"),
+                       problems, row)
 
 
 def _graph(fn, sets, reps):
@@ -131,17 +119,8 @@ def clocks(problems, out, seconds=3.0):
 
 def ncu(problems):
     sets = [_inputs(p) for p in problems]
-    for _ in range(3):
-        for x, w in sets:
-            dg.mm(x, w.t())
-            _lt(x, w)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for x, w in sets:
-        dg.mm(x, w.t())
-        _lt(x, w)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profiled([call for x, w in sets
+              for call in (lambda x=x, w=w: dg.mm(x, w.t()), lambda x=x, w=w: _lt(x, w))])
 
 
 def main(argv=None):
