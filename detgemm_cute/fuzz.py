@@ -178,11 +178,23 @@ def default_jobs() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 2))
 
 
+def _more_time(elapsed: float, seconds: float, drawn: int, min_cases: int) -> bool:
+    """Whether `run` draws another case: within its budget, or short of `min_cases` and
+    within the stretched budget."""
+    return elapsed < seconds or (drawn < min_cases and elapsed < seconds * MIN_CASES_STRETCH)
+
+
+# A `min_cases` floor stretches the time budget by at most this factor: on a machine whose
+# kernel cache is cold, the first problems of a family spend their time compiling.
+MIN_CASES_STRETCH = 4.0
+
+
 def run(seconds: float, seed: int, device: str = "cuda", ops=fc.OPS, jobs: int | None = None,
         max_macs: int | None = None, shrink_seconds: float = 60.0, out=print,
-        cases: int | None = None) -> Summary:
+        cases: int | None = None, min_cases: int = 0) -> Summary:
     """Draw and check cases for `seconds` (or the first `cases` of the seed, if that comes
-    first); print failures and a summary; return it."""
+    first), and past `seconds` until `min_cases` are drawn (for at most MIN_CASES_STRETCH x
+    `seconds`); print failures and a summary; return it."""
     rng = random.Random(seed)
     gpu = device != "cpu"
     max_macs = max_macs or ((1 << 22) if gpu else (1 << 14))
@@ -196,8 +208,8 @@ def run(seconds: float, seed: int, device: str = "cuda", ops=fc.OPS, jobs: int |
     last_report = start
     index = 0
     try:
-        while (time.monotonic() - start < seconds and summary.fatal is None
-               and (cases is None or index < cases)):
+        while (_more_time(time.monotonic() - start, seconds, index, min_cases)
+               and summary.fatal is None and (cases is None or index < cases)):
             case = fc.draw(rng, ops, max_macs)
             index += 1
             if not gpu:

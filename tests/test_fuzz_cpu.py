@@ -94,6 +94,21 @@ def test_gpu_loop_with_reference_workers_counts_and_reports(monkeypatch):
     assert any(f["shrunk"] for f in s.failures)
 
 
+def test_min_cases_stretches_the_budget_boundedly(monkeypatch):
+    """Past its seconds the loop goes on only while short of `min_cases`, and never past
+    MIN_CASES_STRETCH x the budget (a zero budget draws nothing)."""
+    assert fuzz._more_time(1.0, 2.0, 0, 0) and not fuzz._more_time(2.0, 2.0, 0, 0)
+    assert fuzz._more_time(5.0, 2.0, 9, 10) and not fuzz._more_time(5.0, 2.0, 10, 10)
+    assert not fuzz._more_time(2.0 * fuzz.MIN_CASES_STRETCH, 2.0, 0, 10)
+    s = fuzz.run(seconds=0.0, seed=3, device="cpu", ops=("mm",), max_macs=1 << 10,
+                 out=lambda *a: None, min_cases=3)
+    assert s.problems == 0  # a zero budget stretches to zero: nothing is drawn
+    monkeypatch.setattr(fuzz, "MIN_CASES_STRETCH", 1e6)  # a budget far too short for 3
+    s = fuzz.run(seconds=1e-6, seed=3, device="cpu", ops=("mm",), max_macs=1 << 10,
+                 out=lambda *a: None, min_cases=3)
+    assert s.problems == 3
+
+
 def test_judge_classifies_refusals_and_crashes():
     ok = ("ok", torch.zeros(2))
     assert fuzz.judge(("error", "ValueError: x"), ("error", "ValueError: x"), False).kind == \
