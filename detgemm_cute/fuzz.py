@@ -178,15 +178,15 @@ def default_jobs() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 2))
 
 
+# A `min_cases` floor stretches the time budget by at most this factor: on a machine whose
+# kernel cache is cold, the first problems of a family spend their time compiling.
+MIN_CASES_STRETCH = 4.0
+
+
 def _more_time(elapsed: float, seconds: float, drawn: int, min_cases: int) -> bool:
     """Whether `run` draws another case: within its budget, or short of `min_cases` and
     within the stretched budget."""
     return elapsed < seconds or (drawn < min_cases and elapsed < seconds * MIN_CASES_STRETCH)
-
-
-# A `min_cases` floor stretches the time budget by at most this factor: on a machine whose
-# kernel cache is cold, the first problems of a family spend their time compiling.
-MIN_CASES_STRETCH = 4.0
 
 
 def run(seconds: float, seed: int, device: str = "cuda", ops=fc.OPS, jobs: int | None = None,
