@@ -12,8 +12,13 @@ path detgemm takes, "padded" the one it replaces.
 - `--suite a-rows`: p @ v at sequence lengths whose rows of P are not 16-byte aligned, P read
   by the producer threads' own loads ("direct") against P copied into padded rows for TMA
   ("padded"), over the attention shapes of public models.
+- `--suite vector-store`: q @ k^T whose rows the threads store (a half-sector pitch, or one
+  TMA cannot address) with a pitch of 8 bytes: 8 bytes a store from 128-column sub-tiles
+  (`KernelKey.c_align`, "vector") against one element a store from 32-column ones
+  ("element": `c_align` 0), on the broad attention sweep's slowest such rows and the
+  half-sector suite's.
 
-    python bench/ab_paths.py --out bench/results [--suite half-sector|a-rows]
+    python bench/ab_paths.py --out bench/results [--suite half-sector|a-rows|vector-store]
 """
 import argparse
 import json
@@ -49,6 +54,20 @@ QK_HALF = [(48, 1000, 64), (48, 1000, 128), (24, 3000, 64), (24, 3000, 128), (32
 LINEAR_HALF = [(512, 4096, 1000), (4096, 4096, 1000), (8192, 1024, 3000), (2048, 4096, 11000),
                (1024, 5120, 5000), (16384, 768, 2312), (777, 4096, 11000), (128, 8192, 1528)]
 
+# The vector-store suite: q @ k^T at S of 8 mod 16 (a half-sector pitch) and 4 mod 8 (a
+# pitch TMA cannot address), the broad sweep's rows below 0.95x torch.bmm among them
+# (batch x heads, S, d).
+QK_VECTOR = [(256, 3000, 128), (64, 3000, 80), (256, 1000, 80), (256, 1000, 96),
+             (96, 2500, 80), (64, 1000, 128), (96, 2500, 96), (64, 3000, 128), (8, 3000, 128),
+             (256, 1000, 128), (32, 3000, 128), (16, 3000, 128), (160, 1500, 128),
+             (80, 1500, 64), (24, 2500, 128), *QK_HALF]
+
+
+def element_stores():
+    """The threads' direct stores one element at a time (`c_align` 0)."""
+    from detgemm_cute import batched
+    return policy_replaced(batched, "direct_align", lambda *a: 0)
+
 
 def padded_rows():
     """The direct store switched off: padded output rows, copied out after (what
@@ -80,7 +99,7 @@ def timed_row(op, shape, torch_fn, dg_fn, sets, cap, lt=None, baseline=padded_ro
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--suite", choices=("unaligned", "half-sector", "a-rows"),
+    ap.add_argument("--suite", choices=("unaligned", "half-sector", "a-rows", "vector-store"),
                     default="unaligned")
     args = ap.parse_args()
     half = args.suite == "half-sector"
@@ -94,13 +113,18 @@ def main():
             gpu.log(rows[-1])
         write(rows, Path(args.out), "a-rows-ab")
         return
-    for lb, s, d in QK_HALF if half else QK:
+    vector = args.suite == "vector-store"
+    for lb, s, d in QK_VECTOR if vector else QK_HALF if half else QK:
         sets = [(torch.randn(lb, s, d, device="cuda", dtype=bf),
                  torch.randn(lb, s, d, device="cuda", dtype=bf).transpose(1, 2))
                 for _ in range(3)]
         rows.append(timed_row("bmm q@k^T", (lb, s, s, d), lambda st: torch.bmm(*st),
-                              lambda st: dg.bmm(*st), sets, cap))
+                              lambda st: dg.bmm(*st), sets, cap,
+                              baseline=element_stores if vector else padded_rows))
         gpu.log(rows[-1])
+    if vector:
+        write(rows, Path(args.out), "vector-store-ab")
+        return
     for m, k, n in LINEAR_HALF if half else LINEAR:
         sets = [(torch.randn(m, k, device="cuda", dtype=bf),
                  torch.randn(n, k, device="cuda", dtype=bf)) for _ in range(2)]
@@ -113,8 +137,8 @@ def main():
 def write(rows, out: Path, name: str):
     meta = gpu.device_meta()
     # What the new path replaces, and what it is called.
-    base, new = {"half-sector-ab": ("TMA", "direct"),
-                 "a-rows-ab": ("staged", "threads")}.get(name, ("padded", "direct"))
+    base, new = {"half-sector-ab": ("TMA", "direct"), "a-rows-ab": ("staged", "threads"),
+                 "vector-store-ab": ("element", "vector")}.get(name, ("padded", "direct"))
     lines = [f"# Kernel path A/B: {name} ({meta['device']})", "",
              f"Median us per call (CUDA graphs). {new}/{base}: {base} time / {new} time. "
              f"Bits: {new} against {base}, and against cuBLASLt split-K off.", "",

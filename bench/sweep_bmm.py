@@ -237,13 +237,14 @@ def precompile(names, probs, kinds, jobs, log):
 
 def table_layout(a, b, bucket_name) -> dict:
     """How the table's bucket runs these operands: the output stored by the tile's threads
-    (`c_direct`), P's rows read by the producer warpgroup (`a_loads`, with the raw ring's
-    k tiles), copies, and the kernel's tile, stages and schedule."""
+    (`c_direct`; `c_align` 8: 8 bytes a store), P's rows read by the producer warpgroup
+    (`a_loads`, with the raw ring's k tiles), copies, and the kernel's tile, stages and
+    schedule."""
     from detgemm_cute.kernels.sm90_a_rows import raw_stages
 
     bucket = dispatch.bucket_by_name("sm90", bucket_name)
     key, stage_a, stage_b, _ = batched.kernel_layout(a, b, None, BF16, bucket)
-    out = {"c_direct": bool(key.c_direct), "a_loads": bool(key.a_loads),
+    out = {"c_direct": bool(key.c_direct), "c_align": key.c_align, "a_loads": bool(key.a_loads),
            "stage_a": stage_a, "stage_b": stage_b, "cluster": list(key.cluster),
            "tile": list(key.tile), "stages": key.stages, "persistent": bool(key.persistent)}
     if key.a_loads:

@@ -160,6 +160,13 @@ def _variants(bucket, which: str):
                    has_bias=False)
 
 
+def _direct_aligns(call: dict) -> tuple:
+    """`KernelKey.c_align`s of the direct-store twins of `call` (`gemm.direct_align`): bmm
+    and grouped-K allocate their outputs, so their threads store 8 bytes at once where the
+    row pitch allows it (8), else element by element (0); other ops always the latter."""
+    return (0, 8) if call.get("batched") or call.get("grouped_k") else (0,)
+
+
 def _bucket_keys(bucket, arch: str, which: str):
     """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
     direct-store twin of each key whose outputs at an unaligned width the kernel's threads
@@ -176,9 +183,11 @@ def _bucket_keys(bucket, arch: str, which: str):
         plain = not (call.get("split") or call.get("accumulate") or call.get("grouped")
                      or call["dtype"] == "tf32")  # grouped_k stores like a plain GEMM
         if which == "all" and stores_direct(family, bucket, plain):
-            twin = kcompile.KernelKey.for_bucket(bucket.direct or bucket, arch=arch,
-                                                 c_direct=True, **call)
-            yield {**call, "c_direct": True}, plan_key(twin) if call.get("batched") else twin
+            for align in _direct_aligns(call):
+                twin = kcompile.KernelKey.for_bucket(bucket.direct or bucket, arch=arch,
+                                                     c_direct=True, c_align=align, **call)
+                yield ({**call, "c_direct": True, "c_align": align},
+                       plan_key(twin) if call.get("batched") else twin)
         if (which == "all" and bucket.op == "bmm" and plain and call["a_major"] == "k"
                 and reads_a_rows(family, bucket)):
             yield {**call, "a_loads": True}, plan_key(with_a_loads(key))
@@ -193,6 +202,7 @@ def _label(name: str, call: dict) -> str:
             + (" grouped-k" if call.get("grouped_k") else "")
             + (" split(fp32)" if call.get("split") else "")
             + (" direct-store" if call.get("c_direct") else "")
+            + (f" {call['c_align']}-byte" if call.get("c_align") else "")
             + (" tf32" if call["dtype"] == "tf32" else ""))
 
 

@@ -28,7 +28,7 @@ from . import dispatch, registry, split
 from .errors import check_bmm_args
 from .kernels import tensor_needs as needs
 from .gemm import (_NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
-                   max_clusters_for, output_rows, stage_k_major)
+                   direct_align, max_clusters_for, output_rows, stage_k_major)
 
 _GRID_Z = 65535  # the one-CTA-per-tile kernels put the batch on grid z
 _plans: dict = {}
@@ -112,7 +112,8 @@ def kernel_layout(a, b, bias, out_dtype, bucket):
     key = kcompile.KernelKey.for_bucket(
         bucket, dtype=dtype, out_dtype=_NAMES[out_dtype], a_major="m" if a_unit == "first"
         else "k", b_form=b_form, b_contig=b_contig, has_bias=bias is not None,
-        arch=_gpu_arch(arch, a.device), batched=True, c_direct=c_direct)
+        arch=_gpu_arch(arch, a.device), batched=True, c_direct=c_direct,
+        c_align=direct_align(c_direct, b.shape[2], out_dtype))
     return plan_key(with_a_loads(key) if a_loads else key), stage_a, stage_b, pad_cols
 
 

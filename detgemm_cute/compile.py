@@ -66,6 +66,10 @@ class KernelKey:
     # buffer, no copy back), and in bmm for rows TMA would store as half sectors (sm90,
     # BM >= 64; gemm.output_rows).
     c_direct: bool = False
+    # With `c_direct`: 8 when C's start, row pitch and batch stride are multiples of 8 bytes,
+    # so each thread stores 8 bytes at once (`gemm.direct_align`: fresh bmm and grouped-K
+    # outputs); 0: one element at a time (any pitch).
+    c_align: int = 0
     # A's rows are read by the producer warpgroup, not TMA (16-byte chunks into a raw ring,
     # shifted into the stage: kernels/sm90_a_rows.py): a K-major A of any row pitch and
     # 2-byte-aligned start (p @ v's softmax rows at an odd sequence length), with no copy
@@ -127,13 +131,13 @@ def _make_fakes(key: KernelKey):
     b_batched = key.batched or key.grouped
     b = needs.fake(in_t, shaped(b_shape, b_batched),
                    needs.tma_operand(key.b_contig == "last", b_batched))
-    c_need = (needs.c_direct(key.swap_ab, key.batched) if key.c_direct  # any row stride
-              else needs.tma_operand(not key.swap_ab, key.batched))  # swapped: M-major view
     c_batched = key.batched or key.grouped_k
-    if key.c_direct:
-        c_need = needs.c_direct(key.swap_ab, c_batched)
+    if key.c_direct:  # any row stride, or one of c_align bytes
+        c_need = needs.c_direct(key.swap_ab, c_batched, key.c_align)
     elif key.grouped_k:
         c_need = needs.tma_operand(True, True)
+    else:  # swapped: an M-major view
+        c_need = needs.tma_operand(not key.swap_ab, key.batched)
     c = needs.fake(out_t, shaped((m, n), c_batched), c_need)
     bias_len = m if key.swap_ab else n
     bias = needs.fake(in_t, (bias_len,), needs.BIAS) if key.has_bias else None
@@ -224,6 +228,12 @@ def _kernel_options(key: KernelKey) -> dict:
             raise ValueError("direct C stores are for sm90 tiles of BM >= 64 without "
                              "accumulate")
         opts["c_direct"] = True
+    if key.c_align:
+        el = 4 if key.out_dtype == "fp32" else 2
+        if not key.c_direct or key.c_align != 8:
+            raise ValueError(f"c_align={key.c_align}: 0, or 8 with direct C stores (c_direct): "
+                             f"8-byte stores")
+        opts["c_vector"] = key.c_align // el
     if key.a_loads:
         if (family_of(key.arch) != "sm90" or not key.persistent or key.tile[0] < 64
                 or key.tile[2] != 64 or key.cluster[1] != 1 or key.dtype not in DTYPES

@@ -178,6 +178,16 @@ def output_rows(arch: str, bucket, n: int, out_dtype: torch.dtype, plain: bool,
     return direct, 0 if direct else pad_cols
 
 
+def direct_align(c_direct: bool, n: int, out_dtype: torch.dtype) -> int:
+    """`KernelKey.c_align` of a directly stored fresh output of `n` columns (bmm, grouped-K:
+    the plan allocates it): 8 where its row pitch is a multiple of 8 bytes (q @ k^T at S =
+    1000, 1500, 2500, 3000), so each thread stores 8 bytes at once, else 0 (element by
+    element). 8-byte stores from 256-byte sub-tile rows beat 2-, 4- and 16-byte ones on an
+    H100 (bench/results/vector-store-ab_*). `gemm` keeps 0: it may store into the caller's
+    `out`, of any pitch."""
+    return 8 if c_direct and n * out_dtype.itemsize % 8 == 0 else 0
+
+
 def _pad_rows(src: torch.Tensor) -> torch.Tensor:
     """`src` (last dim contiguous) copied into fresh rows zero-padded to a multiple of 8:
     the row-copy kernel where it applies, else PyTorch's copy."""

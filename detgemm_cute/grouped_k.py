@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from . import compile as kcompile
-from .gemm import _NAMES, _gpu_arch, _unit_dim, launch_on, max_clusters_for, output_rows
+from .gemm import (_NAMES, _gpu_arch, _unit_dim, direct_align, launch_on, max_clusters_for,
+                   output_rows)
 from .grouped import Plan, PlanCache, table_bucket
 from .kernels import tensor_needs as needs
 
@@ -49,11 +50,12 @@ def bucket_for(a, b, groups: int):
 
 def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey:
     """The kernel a call on `bucket` runs (also what a bench prebuilds): one layout, a
-    M-contiguous and b N-contiguous (`_make_plan` copies other layouts into it)."""
+    M-contiguous and b N-contiguous (`_make_plan` copies other layouts into it); a direct
+    store writes the fresh output's rows as many bytes at once as their pitch allows."""
     return kcompile.KernelKey.for_bucket(
         bucket, dtype=_NAMES[a.dtype], out_dtype=_NAMES[out_dtype], a_major="m", b_form="kn",
         b_contig="last", has_bias=False, grouped_k=True, c_direct=c_direct,
-        arch=_gpu_arch("sm90", a.device))
+        c_align=direct_align(c_direct, b.shape[1], out_dtype), arch=_gpu_arch("sm90", a.device))
 
 
 def _make_plan(a, b, offs, out_dtype):

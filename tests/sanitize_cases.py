@@ -150,6 +150,11 @@ def _bmm_calls(item, quick):
     bm, bn, bk = b.tile  # a K-major A of an odd row pitch, K >= 256: the a-rows producer
     item.calls.append(Call("bmm", (("L", 3), ("M", bm + 1), ("N", bn + 1),
                                    ("K", max(4 * bk, A_ROWS_MIN_K) + 3))))
+    # rows the threads store 8 bytes at once (a half-sector pitch, a pitch of 8 mod 16
+    # bytes), and one element at a time (4 mod 8)
+    for extra in (8, 4, 2):
+        item.calls.append(Call("bmm", (("L", 3), ("M", bm + 1), ("N", bn + extra),
+                                       ("K", bk))))
     _call_tags(item)
 
 
@@ -210,6 +215,9 @@ def _call_tags(item) -> None:
         if (c.kind in ("linear", "linear_mmajor", "bmm") and sixteen and n % 8
                 and gemm.stores_direct(item.family, b, plain=True)):
             item.tags.add("direct-store")
+        if (c.kind == "bmm" and sixteen and n % 4 == 0 and (n % 8 or n % 16 == 8)
+                and gemm.stores_direct(item.family, b.direct or b, plain=True)):
+            item.tags.add("direct-store-8b")  # 8 bytes a store (`c_align`)
         if c.kind in ("linear", "input_grad", "bmm") and sixteen and d["K"] % 8:
             item.tags.add("row-copy")  # a K-major 16-bit operand of odd K: padded rows
         if (c.kind == "bmm" and sixteen and d["K"] % 8

@@ -126,6 +126,35 @@ def test_thread_stored_outputs_run_the_direct_kernel_the_sweep_timed(tmp_path, m
                                  dispatch.bucket_by_name("sm90", twin[0])) == got
 
 
+@pytest.mark.parametrize("s, align", [(3000, 8), (1000, 8), (1500, 8), (2500, 8), (1502, 0),
+                                      (2047, 0), (777, 0)])
+def test_thread_stored_rows_are_stored_8_bytes_at_once_where_their_pitch_allows(
+        monkeypatch, s, align):
+    """The plan's direct kernel stores 8 bytes at once where the fresh output's row pitch is
+    a multiple of 8 bytes (`c_align`), element by element otherwise; the key builds the fake
+    C the launch's output meets, and warmup covers both."""
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.kernels import tensor_needs as needs
+
+    _sm90(monkeypatch)
+    q, kt = _qk(2, s, 128)
+    table = dispatch.lookup("bmm", "bf16", "sm90", s, s, 128)
+    key = batched.kernel_layout(q, kt, None, torch.bfloat16, table)[0]
+    assert key.c_direct and key.c_align == align
+    out = torch.empty(2, s, s, dtype=torch.bfloat16)
+    assert needs.c_direct(key.swap_ab, True, key.c_align).meets(out)
+    rows_4b = torch.empty(2, 5, 1502, dtype=torch.bfloat16)  # a 3004-byte pitch
+    assert not needs.c_direct(False, True, 8).meets(rows_4b)
+    warm = {k for _, k in aot._bucket_keys(table, "sm_90a", "all")}
+    assert key in warm
+    with pytest.raises(ValueError, match="c_align"):
+        kcompile._kernel_options(kcompile.KernelKey(**{**key.__dict__, "c_direct": False,
+                                                       "c_align": 16}))
+    with pytest.raises(ValueError, match="c_align"):
+        kcompile._kernel_options(kcompile.KernelKey(**{**key.__dict__, "c_direct": True,
+                                                       "c_align": 16}))
+
+
 @pytest.mark.parametrize("s", [1024, 2048, 4096])
 def test_tma_stored_outputs_keep_the_buckets_own_kernel(monkeypatch, s):
     _sm90(monkeypatch)

@@ -199,6 +199,29 @@ def test_direct_store_policy():
     assert output_rows("sm90", bucket(128), 4096, bf, True, half_sectors=True) == (False, 0)
 
 
+@pytest.mark.parametrize("tile, out_dtype", [((64, 256, 64), "bf16"), ((128, 128, 64), "bf16"),
+                                             ((64, 256, 64), "fp32")])
+def test_8_byte_direct_stores_compile_to_vector_stores(tmp_path, tile, out_dtype):
+    """`c_align` 8 (a fresh bmm output whose row pitch is a multiple of 8 bytes): the
+    threads read the staged sub-tile and store C 8 bytes at a time (st.global.v2.b32; the
+    element stores stay for a line's partial end), with no spills; the key is refused
+    without `c_direct` or at another alignment."""
+    import re
+
+    from detgemm_cute import compile as kcompile
+
+    key = kcompile.KernelKey(tile=tile, cluster=(1, 1), stages=4, persistent=True,
+                             dtype="bf16", out_dtype=out_dtype, a_major="k", b_form="kn",
+                             b_contig="first", has_bias=False, arch="sm_90a", batched=True,
+                             c_direct=True, c_align=8)
+    ptx = _audited_ptx(key, tmp_path)
+    assert re.search(r"st\.global\.v2\.b32", ptx) and re.search(r"ld\.shared\.v2\.b32", ptx)
+    _assert_no_spills(ptx, tmp_path)
+    for refused in ({"c_direct": False}, {"c_align": 16}):
+        with pytest.raises(ValueError, match="c_align"):
+            kcompile.build(kcompile.KernelKey(**{**key.__dict__, **refused}))
+
+
 def test_bmm_plans_store_direct_rows_without_a_cluster():
     """bmm's direct-store outputs run on the bucket's tile without its multicast cluster
     (their slower epilogue held the cluster's peer CTA); TMA-stored outputs keep it."""

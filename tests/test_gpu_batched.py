@@ -66,9 +66,11 @@ def test_bmm_every_bucket(family, dtype):
     names = [b.name for b in reg.buckets if b.op == "bmm"
              and ("bf16" if dtype == torch.bfloat16 else "fp16") in b.dtypes]
     assert names
-    # the last problem has odd K: unaligned A rows (staged, or read by the threads)
+    # the fourth problem has odd K: unaligned A rows (staged, or read by the threads); the
+    # last three rows the threads store 16 (half-sector pitch), 8 and 4 bytes at a time
     for lb, m, k, n in [(3, 5, 200, 72), (2, 130, 136, 264), (4, 64, 64, 128),
-                        (2, 130, 131, 72)]:
+                        (2, 130, 131, 72), (2, 130, 72, 1000), (2, 70, 64, 1004),
+                        (3, 70, 64, 302)]:
         a, b = rand(lb, m, k, dtype=dtype), rand(lb, k, n, dtype=dtype)
         want = dg.bmm(a, b)
         for name in names:

@@ -321,3 +321,22 @@ def test_wide_tiles_and_cluster_sizes():
     assert [f for f, _ in ok((128, 128, 64), (4, 4), 4, True)] == ["cluster"]
     assert [f for f, _ in ok((128, 128, 64), (8, 1), 4, True)] == ["cluster"]
     assert sm90_limits.warpgroups(256, 128) == 2 and sm90_limits.warpgroups(128, 128) == 1
+
+
+@pytest.mark.parametrize("tile, vector, out_bytes, want", [
+    ((64, 256, 64), 4, 2, (64, 128)), ((128, 128, 64), 4, 2, (64, 128)),
+    ((64, 256, 64), 2, 4, (64, 64)), ((64, 192, 64), 4, 2, (64, 64)),
+    ((128, 80, 64), 4, 2, (64, 16)), ((256, 128, 64), 4, 2, (128, 128)),
+    ((64, 256, 64), 1, 2, (64, 32))])
+def test_8_byte_direct_stores_stage_wider_sub_tiles_in_the_same_shared_memory(
+        tile, vector, out_bytes, want):
+    """A kernel whose threads store C 8 bytes at a time stages sub-tiles 32 x that many
+    elements wide where BN allows (one 256-byte run of a row per warp's store), in fewer
+    stages: the epilogue's shared memory stays what `smem_bytes` counts for every bucket."""
+    from detgemm_cute.kernels import sm90_limits as lim
+
+    rows, cols = lim.epilogue_tile(tile[0], tile[1], direct_vector=vector)
+    assert (rows, cols) == want
+    staged = rows * cols * out_bytes * lim.epi_stages(out_bytes, cols)
+    er, ec = lim.epilogue_tile(tile[0], tile[1])
+    assert staged <= lim.EPI_BYTES_PER_ROWCOL * er * ec

@@ -29,6 +29,9 @@ NEEDS.update({"a_rows": needs.a_rows(), "a_rows_batch": needs.a_rows(True),
               "c_direct": needs.c_direct(False), "c_direct_swapped": needs.c_direct(True),
               "c_direct_batch": needs.c_direct(False, True),
               "c_direct_batch_swapped": needs.c_direct(True, True)})
+NEEDS.update({f"c_direct_{align}B{'_batch' if b else ''}{'_swapped' if sw else ''}":
+              needs.c_direct(sw, b, align)
+              for align in (0, 8) for b in (False, True) for sw in (False, True)})
 CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
            torch.float32: cutlass.Float32, torch.int16: cutlass.Int16,
            torch.int32: cutlass.Int32}

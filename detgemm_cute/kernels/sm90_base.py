@@ -19,11 +19,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90_limits
 from .operands import as_tf32, b_as_nk, with_batch_mode
+from .sm90_epilogue import EpilogueStores
 from .tf32_mma import make_tf32_tiled_mma
 
 WG = 128  # threads per warpgroup
 GROUP_TABLE = sm90_limits.GROUPED_MAX_GROUPS + 2  # grouped: first tile of each group, + 2
-EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
 
 
 class TmaSources(NamedTuple):
@@ -59,7 +59,7 @@ class TilePlace(NamedTuple):
     k_last: Any = None
 
 
-class Sm90Base:
+class Sm90Base(EpilogueStores):
     """Host-side setup and device helpers shared by both SM90 kernels.
 
     ``tile`` (BM, BN, BK), ``cluster`` (CM, CN) and ``stages`` come from a registry bucket;
@@ -74,7 +74,7 @@ class Sm90Base:
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
                  raster_n: bool = False, c_direct: bool = False, a_loads: bool = False,
-                 pdl: bool = False):
+                 pdl: bool = False, c_vector: int = 1):
         self.tile_shape_mnk = tuple(tile)
         # Programmatic dependent launch: the kernel may start while the previous kernel in the
         # stream drains, and waits for it (griddepcontrol.wait) before its first global access.
@@ -86,6 +86,9 @@ class Sm90Base:
         # The tile's threads store each staged sub-tile, bounds-checked, instead of a TMA
         # box: C's rows are not 16-byte aligned, or TMA would write them as half sectors.
         self.c_direct = c_direct
+        # Elements each of those stores writes at once (C's start and pitch are multiples of
+        # them: `KernelKey.c_align`); 1: element by element, any pitch.
+        self.c_vector = c_vector
         self.mma_m = sm90_limits.mma_rows(tile[0])  # rows WGMMA computes (64 for row tiles)
         self.row_tile = tile[0] < self.mma_m
         self.accumulate = accumulate
@@ -117,7 +120,8 @@ class Sm90Base:
         # Threads that consume each stage and share one epilogue.
         self.tile_threads = WG * self.tile_warp_groups
         self.threads_per_cta = WG * (self.mma_warp_groups + self.producer_warpgroups)
-        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1], chunked, self.pingpong)
+        self.epi_tile = sm90_limits.epilogue_tile(tile[0], tile[1], chunked, self.pingpong,
+                                                  c_vector if c_direct else 1)
         # Stored per epilogue sub-tile: a row tile stores only its BM rows.
         self.store_tile = (min(tile[0], self.epi_tile[0]), self.epi_tile[1])
         self.buffer_align_bytes = 1024
@@ -152,7 +156,7 @@ class Sm90Base:
         self.a_layout = LayoutEnum.from_tensor(mA)
         self.b_layout = LayoutEnum.from_tensor(mB)
         self.c_layout = LayoutEnum.from_tensor(mC)
-        self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8)
+        self.epi_stage = sm90_limits.epi_stages(self.c_dtype.width // 8, self.epi_tile[1])
         # A moved last tile starts at a multiple of 16 bytes along any tensor's contiguous
         # dimension: a TMA store from an unaligned start traps (illegal instruction).
         self.tail_align = (
@@ -711,115 +715,6 @@ class Sm90Base:
             # bounds.
             j = cutlass.min(start + tCcC[i][mode], total - 1)
             acc[i] = acc[i] + mBias[j].to(cutlass.Float32)
-
-    @cute.jit
-    def _epilogue(self, acc, tiled_mma, mma_tidx, is_store_warp, sC, gC, tma_atom_c,
-                  c_pipeline, buf_base, barrier, direct: cutlass.Constexpr = False):
-        """Round once to the output dtype, stage through shared memory, TMA-store; with
-        `c_direct` or `direct` (gC: the tile and C's extent from its start), the tile's
-        threads store the staged sub-tiles instead (`_store_staged`). `direct` in a kernel
-        that TMA-stores its other tiles (a grouped tile that ends inside the tile): the TMA
-        stores of earlier tiles finish reading the staging buffers first."""
-        by_threads = self.c_direct or direct
-        r2s, tRS_sD, tRS_rAcc, tRS_rD, out = self._staging(acc, tiled_mma, mma_tidx, sC)
-        n_rd = cute.size(tRS_rD)
-        if cutlass.const_expr(by_threads):
-            gC, rows, cols = gC
-        if cutlass.const_expr(direct and not self.c_direct):
-            if is_store_warp:
-                c_pipeline.producer_tail()
-            barrier.arrive_and_wait()
-        gC_epi = cute.zipped_divide(gC, self.store_tile)
-        epi_shape = gC_epi.shape[1]
-        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        sC_store = sC
-        if cutlass.const_expr(self.row_tile):
-            sC_store = cute.flat_divide(sC, self.store_tile)[(None, None, 0, 0, None)]
-        bSG_sD, bSG_gD = None, None
-        if cutlass.const_expr(not by_threads):
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC_store, 0, 2), gC_epi)
-        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
-            for v in cutlass.range_constexpr(n_rd):
-                tRS_rD[v] = tRS_rAcc[epi_idx * n_rd + v]
-            out.store(tRS_rD.load().to(self.c_dtype))  # the single rounding
-            buf = (buf_base + epi_idx) % self.epi_stage
-            cute.copy(r2s, out, tRS_sD[(None, None, None, buf)])
-            coord = epi_layout.get_hier_coord(epi_idx)
-            if cutlass.const_expr(by_threads):
-                barrier.arrive_and_wait()
-                self._store_staged(sC_store[(None, None, buf)],
-                                   cute.local_tile(gC, self.store_tile, coord),
-                                   rows - coord[0] * self.store_tile[0],
-                                   cols - coord[1] * self.store_tile[1], mma_tidx)
-            else:
-                cute.arch.fence_proxy("async.shared", space="cta")
-                barrier.arrive_and_wait()
-                if is_store_warp:
-                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, coord)])
-                    c_pipeline.producer_commit()
-                    c_pipeline.producer_acquire()
-            barrier.arrive_and_wait()
-
-    @cute.jit
-    def _staging(self, acc, tiled_mma, mma_tidx, sC):
-        """The register-to-shared copy of the epilogue: (tiled copy, this thread's share of
-        sC's buffers, its accumulators retiled, fp32 and output-dtype sub-tile fragments)."""
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
-        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-        rD_shape = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3]).shape
-        return (tiled_copy_r2s, thr_copy_r2s.partition_D(sC), tiled_copy_r2s.retile(acc),
-                cute.make_rmem_tensor(rD_shape, self.acc_dtype),
-                cute.make_rmem_tensor(rD_shape, self.c_dtype))
-
-    @cute.jit
-    def _store_staged(self, sD, gD, rows, cols, tidx):
-        """Store one staged sub-tile sD to gD, its first `rows` x `cols` elements: the tile's
-        threads walk C's contiguous dimension together, so each warp's stores land on one
-        run of consecutive elements (a row of C that TMA cannot address)."""
-        em, en = self.store_tile
-        n_major = self.c_layout.is_n_major_c()
-        run = en if cutlass.const_expr(n_major) else em  # elements along the contiguous dim
-        step = self.tile_threads // run  # lines (rows of C, or columns when M-major) a pass
-        lane, line0 = tidx % run, tidx // run
-        # This thread's element of every line: one line of sD/gD, walked by `step`.
-        s_lane, g_lane, lines, lanes = sD[(None, lane)], gD[(None, lane)], rows, cols
-        if cutlass.const_expr(not n_major):
-            s_lane, g_lane, lines, lanes = sD[(lane, None)], gD[(lane, None)], cols, rows
-        if lane < lanes:
-            for i in cutlass.range_constexpr(em * en // self.tile_threads):
-                if line0 + i * step < lines:
-                    g_lane[line0 + i * step] = s_lane[line0 + i * step]
-
-    @cute.jit
-    def _store_rows(self, acc, thr_mma_thread, gC, rows, cols):
-        """Round once to the output dtype and store this thread's elements of the first
-        `rows` rows and `cols` columns of tile gC straight from the accumulators (a grouped
-        tile of a group shorter than BM: a TMA box cannot stop at the group's end)."""
-        tCgC = thr_mma_thread.partition_C(gC)
-        tCcC = thr_mma_thread.partition_C(
-            cute.make_identity_tensor((self.mma_m, self.tile_shape_mnk[1])))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if tCcC[i][0] < rows:
-                if tCcC[i][1] < cols:
-                    tCgC[i] = acc[i].to(self.c_dtype)  # the single rounding
-
-    def _epilogue_sync(self):
-        """The TMA-store pipeline and named barrier of one tile's epilogue threads."""
-        c_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads))
-        barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
-                                        num_threads=self.tile_threads)
-        return c_pipeline, barrier
-
-    def _epi_tiles(self):
-        return (self.mma_m // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
 
     def _acc_shape(self, thr_mma):
         """This thread's accumulator fragment of one (mma rows, BN) tile."""

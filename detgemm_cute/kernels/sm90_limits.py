@@ -62,9 +62,11 @@ DIRECT_STORE = True
 GROUPED_MAX_GROUPS = (BARRIER_BYTES - STAGES[1] * 16) // 4 - 2
 
 
-def epi_stages(out_bytes: int) -> int:
-    """Epilogue staging buffers: a fixed byte budget, so fp32 outputs get half the stages."""
-    return EPI_BYTES_PER_ROWCOL // out_bytes
+def epi_stages(out_bytes: int, cols: int = 32) -> int:
+    """Epilogue staging buffers: a fixed byte budget, so fp32 outputs get half the stages,
+    and sub-tiles wider than 32 columns (a direct kernel's) fewer again, in the bytes of 32."""
+    stages = EPI_BYTES_PER_ROWCOL // out_bytes
+    return max(1, stages * 32 // cols) if cols > 32 else stages
 
 
 def mma_rows(tile_m: int) -> int:
@@ -73,13 +75,18 @@ def mma_rows(tile_m: int) -> int:
 
 
 def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False,
-                  pingpong: bool = False) -> tuple[int, int]:
+                  pingpong: bool = False, direct_vector: int = 1) -> tuple[int, int]:
     """Sub-tile the epilogue stages through shared memory (rows, cols): rows of the
-    accumulator (64 or 128), and the wider of 32/16 columns that divides BN."""
+    accumulator (64 or 128), and the wider of 32/16 columns that divides BN. A kernel whose
+    threads store C `direct_vector` > 1 elements at a time (`Sm90Base.c_vector`) takes
+    sub-tiles of 32 x that many columns where BN allows: each warp's store then covers one
+    run of one row (256 bytes with 8-byte stores), which measured fastest on an H100
+    (bench/results/vector-store-ab_*)."""
     m = mma_rows(tile_m)
     two = warpgroups(tile_m, tile_n, chunked, pingpong) == 2
     rows = min(128, m) if two else min(64, m)
-    cols = next(c for c in (32, 16) if tile_n % c == 0)
+    wide = (32 * direct_vector, 16 * direct_vector) if direct_vector > 1 else ()
+    cols = next(c for c in (*wide, 32, 16) if tile_n % c == 0)
     return rows, cols
 
 

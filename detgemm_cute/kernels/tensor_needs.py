@@ -27,7 +27,9 @@ UNIT = "unit"  # stride 1
 BYTES16 = "16B"  # a multiple of 16 bytes
 STEP16 = "step16B"  # a nonzero multiple of 16 bytes (a mode TMA walks: no aliased rows)
 ANY = "any"  # any stride
+BYTES8 = "8B"  # a multiple of 8 bytes
 ELEMENT = 0  # `Need.align`: the element size (any tensor of its dtype meets it)
+_BYTES = {BYTES16: 16, BYTES8: 8}
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,8 @@ def _stride_ok(rule, stride: int, el: int) -> bool:
         return True
     if rule == UNIT:
         return stride == 1
-    if rule == BYTES16:
-        return stride * el % VEC_BYTES == 0
+    if rule in _BYTES:
+        return stride * el % _BYTES[rule] == 0
     if rule == STEP16:
         return stride != 0 and stride * el % VEC_BYTES == 0
     return stride == rule
@@ -95,8 +97,10 @@ def fake(dtype, shape, need: Need, strides=None):
     def sym(rule):
         if rule == UNIT:
             return 1
-        if rule in (BYTES16, STEP16):
+        if rule == STEP16:
             return cute.sym_int64(divisibility=div)
+        if rule in _BYTES:
+            return cute.sym_int64(divisibility=max(1, _BYTES[rule] * 8 // dtype.width))
         if rule == ANY:
             return cute.sym_int64()
         return rule
@@ -134,11 +138,14 @@ def a_rows(batched: bool = False) -> Need:
     return Need(ELEMENT, (ANY, ANY, UNIT) if batched else (ANY, UNIT))
 
 
-def c_direct(swapped: bool, batched: bool = False) -> Need:
+def c_direct(swapped: bool, batched: bool = False, align: int = 0) -> Need:
     """C stored by the tile's threads (`KernelKey.c_direct`): any row (and batch) stride,
-    element-aligned; swapped, the kernel's C is an M-major view."""
-    inner = (UNIT, ANY) if swapped else (ANY, UNIT)
-    return Need(ELEMENT, (ANY, *inner) if batched else inner)
+    element-aligned; swapped, the kernel's C is an M-major view. With `align` 8
+    (`KernelKey.c_align`) the start and the non-unit strides are multiples of 8 bytes, so the
+    threads store 8 bytes at once."""
+    step = {0: ANY, 8: BYTES8}[align]
+    inner = (UNIT, step) if swapped else (step, UNIT)
+    return Need(align or ELEMENT, (step, *inner) if batched else inner)
 
 
 # The helper kernels.
@@ -165,7 +172,7 @@ def tma_unit_dim(t) -> str | None:
 
 
 __all__ = ["Need", "conform", "fake", "tma_unit_dim", "tma_operand", "a_rows", "c_direct",
-           "VEC_BYTES", "UNIT", "BYTES16", "STEP16", "ANY", "ELEMENT", "TMA_K_LAST",
+           "VEC_BYTES", "UNIT", "BYTES16", "BYTES8", "STEP16", "ANY", "ELEMENT", "TMA_K_LAST",
            "TMA_FIRST", "TMA_BATCH_LAST", "TMA_BATCH_FIRST", "BIAS", "OFFS", "SPLIT_ROWS",
            "SPLIT_PARTS", "SPLIT_SCALES", "COPY_ROWS_SRC", "COPY_ROWS_DST", "TRANSPOSE_SRC",
            "TRANSPOSE_DST"]
