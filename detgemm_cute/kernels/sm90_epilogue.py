@@ -92,14 +92,36 @@ class EpilogueStores:
     @cute.jit
     def _store_staged(self, sD, gD, rows, cols, tidx):
         """Store one staged sub-tile sD to gD, its first `rows` x `cols` elements: the tile's
-        threads walk C's contiguous dimension together, `c_vector` elements each, so each
-        warp's stores land on runs of consecutive elements (rows of C that TMA cannot
-        address, or would store as half sectors)."""
+        threads walk C's contiguous dimension together, so each warp's stores land on one
+        run of consecutive elements (a row of C that TMA cannot address); with `c_vector`,
+        that many elements a thread at a time (`_store_staged_vectors`)."""
         em, en = self.store_tile
         n_major = self.c_layout.is_n_major_c()
         run = en if cutlass.const_expr(n_major) else em  # elements along the contiguous dim
         vec = self._store_vector(em * en, run)
-        per_line = run // vec  # threads that share one line (a row of C, or a column)
+        if cutlass.const_expr(vec > 1):
+            self._store_staged_vectors(sD, gD, rows, cols, tidx, run, vec)
+        else:
+            step = self.tile_threads // run  # lines (rows of C, or columns when M-major) a pass
+            lane, line0 = tidx % run, tidx // run
+            # This thread's element of every line: one line of sD/gD, walked by `step`.
+            s_lane, g_lane, lines, lanes = sD[(None, lane)], gD[(None, lane)], rows, cols
+            if cutlass.const_expr(not n_major):
+                s_lane, g_lane, lines, lanes = sD[(lane, None)], gD[(lane, None)], cols, rows
+            if lane < lanes:
+                for i in cutlass.range_constexpr(em * en // self.tile_threads):
+                    if line0 + i * step < lines:
+                        g_lane[line0 + i * step] = s_lane[line0 + i * step]
+
+    @cute.jit
+    def _store_staged_vectors(self, sD, gD, rows, cols, tidx, run: cutlass.Constexpr,
+                              vec: cutlass.Constexpr):
+        """`_store_staged`, `vec` elements a thread at a time: `run // vec` threads share
+        each line (a row of C, or a column when M-major), so a warp's store covers whole
+        runs of its lines."""
+        em, en = self.store_tile
+        n_major = self.c_layout.is_n_major_c()
+        per_line = run // vec
         step = self.tile_threads // per_line  # lines a pass
         lane, line0 = tidx % per_line, tidx // per_line
         lines, lanes = rows, cols
@@ -113,10 +135,7 @@ class EpilogueStores:
                     s_run, g_run = sD[(line, None)], gD[(line, None)]
                     if cutlass.const_expr(not n_major):
                         s_run, g_run = sD[(None, line)], gD[(None, line)]
-                    if cutlass.const_expr(vec == 1):
-                        g_run[first] = s_run[first]
-                    else:
-                        self._store_run(s_run, g_run, first, lanes - first, vec)
+                    self._store_run(s_run, g_run, first, lanes - first, vec)
 
     def _store_vector(self, elements: int, run: int) -> int:
         """Elements one thread stores at once: `c_vector`, halved until the tile's threads
