@@ -51,7 +51,7 @@ def bucket_for(a, b, groups: int):
 def kernel_key(bucket, a, b, out_dtype, c_direct: bool = False) -> kcompile.KernelKey:
     """The kernel a call on `bucket` runs (also what a bench prebuilds): one layout, a
     M-contiguous and b N-contiguous (`_make_plan` copies other layouts into it); a direct
-    store writes the fresh output's rows as many bytes at once as their pitch allows."""
+    store writes the fresh output's rows 8 bytes at a time where their pitch allows."""
     return kcompile.KernelKey.for_bucket(
         bucket, dtype=_NAMES[a.dtype], out_dtype=_NAMES[out_dtype], a_major="m", b_form="kn",
         b_contig="last", has_bias=False, grouped_k=True, c_direct=c_direct,

@@ -204,6 +204,8 @@ _BUILD = {"gemm": _gemm_calls, "bmm": _bmm_calls, "grouped": _grouped_calls,
 
 def _call_tags(item) -> None:
     """Tags for the paths the item's calls take (as gemm/batched decide them)."""
+    import torch
+
     from detgemm_cute import batched, gemm
 
     b, sixteen = item.bucket, item.dtype in ("bf16", "fp16")
@@ -215,8 +217,9 @@ def _call_tags(item) -> None:
         if (c.kind in ("linear", "linear_mmajor", "bmm") and sixteen and n % 8
                 and gemm.stores_direct(item.family, b, plain=True)):
             item.tags.add("direct-store")
-        if (c.kind == "bmm" and sixteen and n % 4 == 0 and (n % 8 or n % 16 == 8)
-                and gemm.stores_direct(item.family, b.direct or b, plain=True)):
+        if (c.kind == "bmm" and sixteen and gemm.direct_align(
+                gemm.output_rows(item.family, b.direct or b, n, torch.bfloat16, True,
+                                 half_sectors=True)[0], n, torch.bfloat16)):
             item.tags.add("direct-store-8b")  # 8 bytes a store (`c_align`)
         if c.kind in ("linear", "input_grad", "bmm") and sixteen and d["K"] % 8:
             item.tags.add("row-copy")  # a K-major 16-bit operand of odd K: padded rows
