@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import detgemm_cute as dg
-from detgemm_cute import registry, split
+from detgemm_cute import registry, split, staging
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.fmt import device_slug, json_default
 from detgemm_cute.benchlib.timing import QUICK_PLAN, n_sets_for, time_units
@@ -80,6 +80,13 @@ def tf32_input_grad(dy, w):
         return dg.input_grad(dy, w)
 
 
+def tf32_input_grad_staged(dy, w):
+    """dX as the TF32 kernels ran it before they read an M-major weight through registers:
+    the weight copied K-major by the transpose kernel, then the fwd GEMM on the copy."""
+    with dg.fp32_precision("tf32"):
+        return dg.linear(dy, staging.transposed(w, w.shape[0]))
+
+
 def same_tf32_bits(s):
     """detgemm "tf32" vs cuBLAS TF32 on one set: (fwd same bits, dx same bits)."""
     fwd = torch.equal(tf32_linear(s[0], s[1]).view(torch.int32),
@@ -98,17 +105,26 @@ IEEE_UNITS = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]),
               "split_only": lambda s: split_both(s[0], s[1])}
 
 
-def run_speed(rows, cap_stream, log, tf32_only=False):
-    """Per (M, K, N): both precisions and their cuBLAS peers (`tf32_only`: the tf32 ones)."""
+def run_speed(rows, cap_stream, log, tf32_only=False, dx_staged=False):
+    """Per (M, K, N): both precisions and their cuBLAS peers (`tf32_only`: the tf32 ones;
+    `dx_staged`: and dX through the staged copy of the weight, the path it replaces)."""
     out = []
     l2 = gpu.l2_bytes()
     units = dict(TF32_UNITS) if tf32_only else {**IEEE_UNITS, **TF32_UNITS}
+    if dx_staged:
+        units["detgemm_tf32_dx_staged"] = lambda s: tf32_input_grad_staged(s[2], s[1])
     for m, k, n in rows:
         sets = make_sets(m, k, n, l2)
         t = time_units(units, sets, QUICK_PLAN, cap_stream)
         us = {name: r.get("us") for name, r in t.items()}
         row = {"M": m, "K": k, "N": n, **{f"{kk}_us": v for kk, v in us.items()}}
         row["tf32_same_bits_fwd"], row["tf32_same_bits_dx"] = same_tf32_bits(sets[0])
+        if dx_staged:
+            row["tf32_dx_same_bits_as_staged"] = torch.equal(
+                tf32_input_grad(sets[0][2], sets[0][1]).view(torch.int32),
+                tf32_input_grad_staged(sets[0][2], sets[0][1]).view(torch.int32))
+            if us["detgemm_tf32_dx"] and us["detgemm_tf32_dx_staged"]:
+                row["tf32_dx_vs_staged"] = us["detgemm_tf32_dx_staged"] / us["detgemm_tf32_dx"]
         if us["detgemm_tf32_dx"] and us["cublas_tf32_dx"]:
             row["tf32_dx_vs_cublas_tf32"] = us["cublas_tf32_dx"] / us["detgemm_tf32_dx"]
         flops = 2.0 * m * n * k
@@ -247,7 +263,8 @@ def tf32_section(speed, f) -> list[str]:
         return f"{sum(bool(r[key]) for r in rows)}/{len(rows)}"
 
     lines = ["", "## Precision \"tf32\" (TF32 kernels) vs cuBLAS TF32", "",
-             "fwd = `F.linear(x, w)`, dx = `dY @ W` (W staged K-major inside detgemm, timed); "
+             "fwd = `F.linear(x, w)`, dx = `dY @ W` (sm90: W read in place; else staged K-major "
+             "inside detgemm, timed); "
              "`same bits`: detgemm's output equals cuBLAS TF32's bit for bit on the first "
              "input set.", "",
              f"Geomean: fwd {g(speed, 'tf32_vs_cublas_tf32')} (M >= 512: "
@@ -348,6 +365,28 @@ def heldout_shapes():
     return [(p.m, p.k, p.n) for p in suite_problems("prefill-heldout", ("fwd",))]
 
 
+def staged_section(speed, f) -> list[str]:
+    """Markdown of dX with the weight read in place (through registers) against dX through
+    its staged K-major copy, the path it replaced, timed in the same run."""
+    rows = [r for r in speed if r.get("tf32_dx_vs_staged")]
+    if not rows:
+        return []
+    ratios = [r["tf32_dx_vs_staged"] for r in rows]
+    same = sum(bool(r.get("tf32_dx_same_bits_as_staged")) for r in rows)
+    lines = ["", "## dX: the weight read in place vs its staged K-major copy", "",
+             f"`staged` = the transpose kernel's K-major copy of W, then the fwd GEMM on it "
+             f"(the path dX took before; timed in the same run). Geomean "
+             f"{geomean(ratios):.3f}x (M >= 512: "
+             f"{geomean([r['tf32_dx_vs_staged'] for r in rows if r['M'] >= 512]):.3f}x), "
+             f"{min(ratios):.2f}-{max(ratios):.2f}x; bits equal on {same}/{len(rows)} rows.", "",
+             "| M | K | N | dx in place | dx staged | speed |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('detgemm_tf32_dx_us'))} | "
+                     f"{f(r.get('detgemm_tf32_dx_staged_us'))} | "
+                     f"{f(r['tf32_dx_vs_staged'], '{:.2f}')} |")
+    return lines
+
+
 def write_heldout(out_dir, meta, speed):
     stem = out_dir / f"fp32-tf32-heldout_{device_slug(meta['device'])}"
     stem.with_suffix(".json").write_text(json.dumps({"device": meta, "speed": speed}, indent=1,
@@ -356,7 +395,7 @@ def write_heldout(out_dir, meta, speed):
     lines = [f"# precision \"tf32\" vs cuBLAS TF32 on held-out shapes ({meta['device']})", "",
              f"torch {torch.__version__}; one run; CUDA-graph medians; times in us. Shapes: the "
              "prefill-heldout suite (83 public model weights, M 200..14000), which the tf32 "
-             "buckets' fit did not see."] + tf32_section(speed, f)
+             "buckets' fit did not see."] + tf32_section(speed, f) + staged_section(speed, f)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return stem
 
@@ -386,7 +425,7 @@ def main():
     stem = write_report(Path(args.out), meta, speed, acc, cands, dw)
     log(f"wrote {stem}.md/.json")
     if args.tf32_heldout:
-        held = run_speed(heldout_shapes(), cap, log, tf32_only=True)
+        held = run_speed(heldout_shapes(), cap, log, tf32_only=True, dx_staged=True)
         log(f"wrote {write_heldout(Path(args.out), meta, held)}.md/.json")
     if speed:
         log(f"geomean vs SGEMM {geomean([r.get('vs_cublas_sgemm') for r in speed]):.3f}, "

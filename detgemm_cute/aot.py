@@ -90,9 +90,11 @@ def _split_variants(bucket, which: str):
 
 
 def _tf32_variants(bucket, which: str):
-    """tf32 buckets: fp32 operands, both K-major (the op layer stages any other layout);
+    """tf32 buckets: fp32 operands, both K-major (the op layer stages any other layout),
+    except a swapped dx bucket's A, the weight as it lies (M-major, read through registers);
     "core": fp32 out (with bias for fwd); "all": every output dtype, with and without bias."""
-    base = dict(dtype="tf32", a_major="k", b_form="nk", b_contig="last")
+    base = dict(dtype="tf32", a_major="m" if bucket.op == "dx" and bucket.swap_ab else "k",
+                b_form="nk", b_contig="last")
     if bucket.op == "bmm":  # one launch per batch; B [L, K, N] K-first is the "kn" view
         yield dict(base, b_form="kn", b_contig="first", out_dtype="fp32", has_bias=False,
                    batched=True)

@@ -217,6 +217,9 @@ def _kernel_options(key: KernelKey) -> dict:
     if not a_major_builds(key.arch, key.tile[0], key.a_major):
         raise ValueError("sm90 row tiles (BM < 64) read a K-major A: their stages lie BM rows "
                          "apart (the op layer stages an M-major A K-major first)")
+    if key.dtype == "tf32" and key.a_major != "k" and family_of(key.arch) != "sm90":
+        raise ValueError(f"a TF32 kernel of {key.arch} reads A K-major only (sm90 kernels "
+                         f"read an M-major A through registers)")
     if key.swap_ab and family_of(key.arch) != "sm90":
         raise ValueError(f"swapped operands have sm90 kernels only, not {key.arch}")
     if key.split:

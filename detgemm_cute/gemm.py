@@ -290,8 +290,11 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         a_unit, b_contig = _unit_dim(a), _unit_dim(b)
         if a_unit == "first" and bucket.tile[0] < 64:
             a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
-        if tf32:  # the TF32 kernels (both families) read both operands K-major only
-            a_unit = a_unit if a_unit == "last" else None
+        if tf32:  # the TF32 kernels read B K-major only; A too, but sm90 reads an
+            # M-major A through registers (kernels/sm90_base.py `ARegs`): with a swapped
+            # bucket that is dX's weight, read in place instead of staged
+            a_unit = a_unit if a_unit == "last" or (a_unit == "first" and arch == "sm90") \
+                else None
             k_major_b = (b_form, b_contig) in (("nk", "last"), ("kn", "first"))
             b_contig = b_contig if k_major_b else None
         stage_a = stage_b = None

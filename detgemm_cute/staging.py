@@ -1,7 +1,8 @@
 """Staging copies on the GPU, each one pass of a helper kernel:
 
-- `transposed` (`kernels/transpose.py`): the TF32 kernels read both operands K-major, so an
-  fp32 weight used as [K, N] (dX's W, mm's B) is copied into a K-major [N, K'] buffer.
+- `transposed` (`kernels/transpose.py`): the TF32 kernels read B K-major (and A too, except
+  sm90's, which reads an M-major A through registers), so an fp32 operand in another layout
+  (mm's B [K, N], and dX's W on sm80) is copied into a K-major [N, K'] buffer.
   PyTorch's strided `copy_` of a transposed view runs at about a third of the copy
   bandwidth; the tiled kernel reads and writes whole 128-byte rows.
 - `rows` (`kernels/rows.py`): 16-bit rows whose starts TMA cannot address (an odd K) copied

@@ -66,7 +66,9 @@ def gemm_kind(key) -> list:
                     ("a-rows", key.a_loads),
                     ("direct-store", key.c_direct), ("split", key.split),
                     ("tf32", key.dtype == "tf32"), (f"cluster{size}", size > 1),
-                    ("m-major-a", key.a_major == "m"), ("accumulate", key.accumulate)):
+                    ("m-major-a", key.a_major == "m"), ("accumulate", key.accumulate),
+                    ("a-registers", key.dtype == "tf32" and key.a_major == "m"
+                     and family_of(key.arch) == "sm90")):
         if on:
             tags.append(tag)
     return tags

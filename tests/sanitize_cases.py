@@ -227,7 +227,10 @@ def _call_tags(item) -> None:
                 and batched.reads_a_rows(item.family, b, d["K"])):
             item.tags.add("a-rows")
         if item.dtype == "tf32" and c.kind == "input_grad":
-            item.tags.add("transpose")  # dX's weight staged K-major by the transpose kernel
+            # sm90's swapped dX reads its weight through registers (an M-major A, whose rows
+            # of N elements TMA reads at a 16-byte pitch); else the transpose kernel stages it
+            item.tags.add("a-registers" if item.family == "sm90" and b.swap_ab and n % 4 == 0
+                          else "transpose")
         if c.kind == "linear_mmajor":
             item.tags.add("m-major-a")
 

@@ -216,3 +216,50 @@ def test_fp32_grouped_mm_rows_are_their_own_chain(precision):
             routed = torch._grouped_mm(xd, wd, offs)
         assert R.same_bits(routed, y.detach())
         assert dg.report().routed[("_grouped_mm", "fp32")] == 1
+
+
+@pytest.mark.parametrize("tile, cluster, persistent, pingpong", [
+    ((128, 64, 32), (1, 1), False, False), ((128, 192, 32), (2, 1), True, False),
+    ((64, 256, 32), (1, 1), True, True)])
+def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent, pingpong):
+    """An M-major fp32 A (dX's weight as it lies, the swapped dx_tf32 buckets) builds as
+    TF32 WGMMA with A in registers: each k tile's A is loaded from its stage by the threads
+    (ld.shared) and the MMA takes four registers for it instead of a shared-memory
+    descriptor; with ptxas at hand, nothing spills. sm_80's TF32 kernels read A K-major
+    only, and the key says so before compiling."""
+    import re
+
+    pytest.importorskip("cutlass")
+    from detgemm_cute import compile as kcompile
+    from test_compile_cpu import _assert_no_spills, _audited_ptx
+
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=4, persistent=persistent,
+                             pingpong=pingpong, dtype="tf32", out_dtype="fp32", a_major="m",
+                             b_form="nk", b_contig="last", has_bias=False, swap_ab=True)
+    ptx = _audited_ptx(key, tmp_path)
+    mma = re.findall(r"wgmma\.mma_async\S*\.f32\.tf32\.tf32 \{[^}]*\}, (\{[^}]*\}|%rd\d+)", ptx)
+    assert mma and all(re.fullmatch(r"\{%r\d+, %r\d+, %r\d+, %r\d+\}", a) for a in mma)
+    assert re.search(r"ld\.shared\.b32", ptx)
+    _assert_no_spills(ptx, tmp_path)
+    k_major = _audited_ptx(kcompile.KernelKey(**{**key.__dict__, "a_major": "k"}), tmp_path)
+    assert not re.search(r"tf32\.tf32 \{[^}]*\}, \{", k_major)  # K-major: descriptors
+    with pytest.raises(ValueError, match="K-major only"):
+        kcompile.build(kcompile.KernelKey(**{**key.__dict__, "arch": "sm_80", "swap_ab": False,
+                                             "persistent": False, "pingpong": False}))
+
+
+def test_dx_tf32_buckets_read_the_weight_in_place():
+    """Every sm90 dx tf32 alternative swaps operands (its kernel's A is the weight, M-major,
+    read through registers: no staging copy), has BM >= 64 (row tiles read A K-major), and
+    warmup builds it with that A; the sm80 ones stay K-major."""
+    from detgemm_cute import aot, registry
+
+    reg = registry.get_registry("sm90")
+    dx = [b for b in reg.buckets if b.op == "dx" and "tf32" in b.dtypes]
+    assert len(dx) >= 10
+    assert all(b.swap_ab and b.tile[0] >= 64 for b in dx)
+    for b in dx:
+        assert {call["a_major"] for call, _ in aot._bucket_keys(b, "sm_90a", "all")} == {"m"}
+    for b in registry.get_registry("sm80").buckets:
+        if "tf32" in b.dtypes:
+            assert {c["a_major"] for c, _ in aot._bucket_keys(b, "sm_80", "all")} == {"k"}

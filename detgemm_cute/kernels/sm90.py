@@ -150,7 +150,7 @@ class Sm90Gemm(Sm90Base):
 
         wg_idx = cute.arch.make_warp_uniform(tidx // WG)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(wg_idx))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrA = self._a_fragment(tiled_mma, thr_mma, sA, tidx)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         self._init_acc(acc, tiled_mma.get_slice(tidx), mC_in, tile_m, tile_n, tile_l)
@@ -400,7 +400,7 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         # Cooperative: the consumers split each tile along M; ping-pong: each runs a whole one.
         tile_wg = 0 if cutlass.const_expr(self.pingpong) else consumer
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.tile_warp_groups, stride=WG)(tile_wg))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrA = self._a_fragment(tiled_mma, thr_mma, sA, tidx)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
         part = None

@@ -39,6 +39,14 @@ class TmaSources(NamedTuple):
     cluster_coord: Any
 
 
+class ARegs(NamedTuple):
+    """A read through registers (`Sm90Base.a_regs`): this thread's elements of A's stages in
+    shared memory, and the register fragment each k tile is copied into."""
+
+    smem: Any  # (V, MMA_M, MMA_K, stages)
+    regs: Any  # (V, MMA_M, MMA_K)
+
+
 class TilePlace(NamedTuple):
     """Where one output tile lies (device values, `Sm90Base._place`): its indices into the
     tile grids of A/C and B after they were moved by (off_m, off_n) elements, the batch
@@ -164,9 +172,13 @@ class Sm90Base(EpilogueStores):
                 self._align16(self.c_dtype, self.c_layout.is_m_major_c())),
             max(self._align16(self.b_dtype, self.b_layout.is_n_major_b()),
                 self._align16(self.c_dtype, self.c_layout.is_n_major_c())))
+        # TF32 WGMMA reads shared-memory operands K-major only: an M-major A (dX's weight
+        # seen as C^T = W^T dY^T, or a transposed view) is copied from each stage into
+        # registers, each thread its own elements, and multiplied from there (`ARegs`).
+        self.a_regs = self.tf32 and self.a_layout.is_m_major_a()
         if cutlass.const_expr(self.tf32):
             self.tiled_mma = make_tf32_tiled_mma(self.atom_layout_mnk,
-                                                 (64, self.tile_shape_mnk[1]))
+                                                 (64, self.tile_shape_mnk[1]), self.a_regs)
         else:
             self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.a_dtype, self.b_dtype,
@@ -555,13 +567,31 @@ class Sm90Base(EpilogueStores):
         ab_pipeline.producer_commit(state)
 
     @cute.jit
+    def _a_fragment(self, tiled_mma, thr_mma, sA, tidx):
+        """A as `_mma_k_tile` reads it: descriptors of the stages (the warpgroup's slice
+        `thr_mma`), or with `a_regs` this thread's `ARegs` (`tidx`: its index in the CTA)."""
+        if cutlass.const_expr(self.a_regs):
+            thr = tiled_mma.get_slice((tidx - self.producer_warpgroups * WG) % self.tile_threads)
+            bm, _, bk = self.tile_shape_mnk
+            return ARegs(thr.partition_A(sA),
+                         tiled_mma.make_fragment_A(thr.partition_shape_A((bm, bk))))
+        return tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+
+    @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage):
         """One k tile: its 16-wide (TF32: 8-wide) WGMMA steps in ascending K onto the
-        accumulators."""
+        accumulators. With `a_regs` the k tile's A is first copied into the registers, once
+        the WGMMAs that read them for the previous k tile have retired."""
+        a, a_stage = tCrA, stage
+        if cutlass.const_expr(self.a_regs):
+            cute.nvgpu.warpgroup.wait_group(0)
+            cute.autovec_copy(tCrA.smem[(None, None, None, stage)], tCrA.regs)
+            a, a_stage = tCrA.regs, None
         cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            coord = (None, None, kb, stage)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        for kb in cutlass.range_constexpr(cute.size(a, mode=[2])):
+            a_coord = (None, None, kb) if cutlass.const_expr(self.a_regs) else \
+                (None, None, kb, a_stage)
+            cute.gemm(tiled_mma, acc, a[a_coord], tCrB[(None, None, kb, stage)], acc)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit

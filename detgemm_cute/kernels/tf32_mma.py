@@ -18,7 +18,8 @@ MMA_K = 8
 
 @dataclass(frozen=True)
 class MmaTF32Op(MmaOp):
-    """TF32 x TF32 -> fp32 warpgroup MMA (m64nNk8). Both operands must be K-major."""
+    """TF32 x TF32 -> fp32 warpgroup MMA (m64nNk8). Operands in shared memory must be
+    K-major."""
 
     descriptive_name = "warpgroup TF32 MMA Operation"
 
@@ -40,8 +41,10 @@ class MmaTF32Trait(MmaTraits):
     pass
 
 
-def make_tf32_tiled_mma(atom_layout_mnk, tiler_mn) -> cute.TiledMma:
-    """A tiled TF32 MMA over K-major A (shared memory) and K-major B."""
+def make_tf32_tiled_mma(atom_layout_mnk, tiler_mn, a_regs: bool = False) -> cute.TiledMma:
+    """A tiled TF32 MMA over K-major B in shared memory and A K-major in shared memory, or
+    (`a_regs`) in registers, where its layout in shared memory does not matter."""
     k_major = cute.nvgpu.OperandMajorMode.K
-    op = MmaTF32Op(tiler_mn, cute.nvgpu.warpgroup.OperandSource.SMEM, k_major, k_major)
+    src = cute.nvgpu.warpgroup.OperandSource
+    op = MmaTF32Op(tiler_mn, src.RMEM if a_regs else src.SMEM, k_major, k_major)
     return cute.make_tiled_mma(cute.make_mma_atom(op), atom_layout_mnk)
