@@ -15,6 +15,7 @@ Writes markdown + JSON (+ a plot when matplotlib is installed), device named.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -25,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import detgemm_cute as dg
-from detgemm_cute import registry, split, staging
+from detgemm_cute import gemm, registry, split, staging
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.fmt import device_slug, json_default
 from detgemm_cute.benchlib.timing import QUICK_PLAN, n_sets_for, time_units
+from sweep_common import policy_replaced
 
 F32 = torch.float32
 # (K, N) of public models' linear layers (hidden -> qkv / mlp and back), some TP shards.
@@ -87,6 +89,16 @@ def tf32_input_grad_staged(dy, w):
         return dg.linear(dy, staging.transposed(w, w.shape[0]))
 
 
+def tf32_mm(a, b, staged=False):
+    """`dg.mm(a, b)` at "tf32": the mode's dX (dY @ W, W N-major as aten passes it), which
+    runs swapped with W read through registers; `staged`: in the table's orientation with W
+    staged K-major (`gemm.tf32_orientation` off), the path it replaced."""
+    with dg.fp32_precision("tf32"), (policy_replaced(gemm, "tf32_orientation",
+                                                     lambda *args: args[2])
+                                     if staged else contextlib.nullcontext()):
+        return dg.mm(a, b)
+
+
 def same_tf32_bits(s):
     """detgemm "tf32" vs cuBLAS TF32 on one set: (fwd same bits, dx same bits)."""
     fwd = torch.equal(tf32_linear(s[0], s[1]).view(torch.int32),
@@ -113,6 +125,8 @@ def run_speed(rows, cap_stream, log, tf32_only=False, dx_staged=False):
     units = dict(TF32_UNITS) if tf32_only else {**IEEE_UNITS, **TF32_UNITS}
     if dx_staged:
         units["detgemm_tf32_dx_staged"] = lambda s: tf32_input_grad_staged(s[2], s[1])
+        units["detgemm_tf32_mm_dx"] = lambda s: tf32_mm(s[2], s[1])
+        units["detgemm_tf32_mm_dx_staged"] = lambda s: tf32_mm(s[2], s[1], staged=True)
     for m, k, n in rows:
         sets = make_sets(m, k, n, l2)
         t = time_units(units, sets, QUICK_PLAN, cap_stream)
@@ -125,6 +139,12 @@ def run_speed(rows, cap_stream, log, tf32_only=False, dx_staged=False):
                 tf32_input_grad_staged(sets[0][2], sets[0][1]).view(torch.int32))
             if us["detgemm_tf32_dx"] and us["detgemm_tf32_dx_staged"]:
                 row["tf32_dx_vs_staged"] = us["detgemm_tf32_dx_staged"] / us["detgemm_tf32_dx"]
+            if us["detgemm_tf32_mm_dx"] and us["detgemm_tf32_mm_dx_staged"]:
+                row["tf32_mm_dx_vs_staged"] = (us["detgemm_tf32_mm_dx_staged"]
+                                               / us["detgemm_tf32_mm_dx"])
+                row["tf32_mm_dx_same_bits_as_staged"] = torch.equal(
+                    tf32_mm(sets[0][2], sets[0][1]).view(torch.int32),
+                    tf32_mm(sets[0][2], sets[0][1], staged=True).view(torch.int32))
         if us["detgemm_tf32_dx"] and us["cublas_tf32_dx"]:
             row["tf32_dx_vs_cublas_tf32"] = us["cublas_tf32_dx"] / us["detgemm_tf32_dx"]
         flops = 2.0 * m * n * k
@@ -367,23 +387,34 @@ def heldout_shapes():
 
 def staged_section(speed, f) -> list[str]:
     """Markdown of dX with the weight read in place (through registers) against dX through
-    its staged K-major copy, the path it replaced, timed in the same run."""
+    its staged K-major copy, the path it replaced, timed in the same run: `input_grad` (the
+    dx table) and the mode's `mm(dY, W)` (the fwd table, run swapped)."""
     rows = [r for r in speed if r.get("tf32_dx_vs_staged")]
     if not rows:
         return []
-    ratios = [r["tf32_dx_vs_staged"] for r in rows]
-    same = sum(bool(r.get("tf32_dx_same_bits_as_staged")) for r in rows)
+
+    def summary(key, same_key):
+        ratios = [r[key] for r in rows if r.get(key)]
+        same = sum(bool(r.get(same_key)) for r in rows)
+        big = geomean([r[key] for r in rows if r.get(key) and r["M"] >= 512])
+        return (f"geomean {geomean(ratios):.3f}x (M >= 512: {big:.3f}x), "
+                f"{min(ratios):.2f}-{max(ratios):.2f}x; bits equal on {same}/{len(rows)} rows")
+
     lines = ["", "## dX: the weight read in place vs its staged K-major copy", "",
-             f"`staged` = the transpose kernel's K-major copy of W, then the fwd GEMM on it "
-             f"(the path dX took before; timed in the same run). Geomean "
-             f"{geomean(ratios):.3f}x (M >= 512: "
-             f"{geomean([r['tf32_dx_vs_staged'] for r in rows if r['M'] >= 512]):.3f}x), "
-             f"{min(ratios):.2f}-{max(ratios):.2f}x; bits equal on {same}/{len(rows)} rows.", "",
-             "| M | K | N | dx in place | dx staged | speed |", "|---|---|---|---|---|---|"]
+             "`staged` = the transpose kernel's K-major copy of W, then the GEMM on it (the "
+             "path dX took before; timed in the same run). `input_grad` (the dx table, "
+             f"swapped): {summary('tf32_dx_vs_staged', 'tf32_dx_same_bits_as_staged')}. "
+             "The mode's `mm(dY, W)` (the fwd table's pick for the transposed problem, "
+             f"swapped): {summary('tf32_mm_dx_vs_staged', 'tf32_mm_dx_same_bits_as_staged')}.",
+             "", "| M | K | N | input_grad | staged | speed | mm(dY, W) | staged | speed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('detgemm_tf32_dx_us'))} | "
                      f"{f(r.get('detgemm_tf32_dx_staged_us'))} | "
-                     f"{f(r['tf32_dx_vs_staged'], '{:.2f}')} |")
+                     f"{f(r['tf32_dx_vs_staged'], '{:.2f}')} | "
+                     f"{f(r.get('detgemm_tf32_mm_dx_us'))} | "
+                     f"{f(r.get('detgemm_tf32_mm_dx_staged_us'))} | "
+                     f"{f(r.get('tf32_mm_dx_vs_staged'), '{:.2f}')} |")
     return lines
 
 

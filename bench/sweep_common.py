@@ -1,5 +1,5 @@
-"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`), the path A/B
-(`ab_paths.py`) and the probes share: the candidates declared as the alternatives of one user
+"""What the candidate sweeps (`sweep_grouped.py`, `sweep_bmm.py`), the path A/Bs
+(`ab_paths.py`, `bench_fp32.py`) and the probes share: the candidates declared as the alternatives of one user
 bucket (so each is forced by name), one timed row of candidates and peers, the records file,
 a dispatch policy replaced for a comparison, and a probe's `--out` argument."""
 

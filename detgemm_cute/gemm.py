@@ -20,6 +20,7 @@ written into a padded buffer and copied out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -280,6 +281,8 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     if forced and table_dtype not in bucket.dtypes:
         raise ValueError(f"force_bucket: bucket {forced!r} serves {'/'.join(bucket.dtypes)}, "
                          f"not this call's {table_dtype} operands")
+    if tf32 and not forced:
+        bucket = tf32_orientation(op, arch, bucket, a, b, b_form, m, n, k)
     swap = bucket.swap_ab and not split_in
     if swap:  # the kernel's A is op(B)^T ([N, K]), its B the caller's A ([M, K], "nk")
         a, b, b_form = swapped_operands(a, b, b_form)
@@ -322,6 +325,23 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     return _Plan(kcompile.get(key), stage_a, stage_b, pad_cols, bias_copy, acc_copy,
                  max_clusters, (m, n), out_dtype, a.device, accumulate=acc is not None,
                  split=bool(split_in), swap=swap)
+
+
+def tf32_orientation(op, arch, bucket, a, b, b_form, m, n, k):
+    """The bucket a TF32 call runs on. sm90's TF32 kernels read an M-major A through
+    registers but B K-major only: where the caller's B is M- or N-major (mm's [K, N] weight,
+    the mode's dX = dY @ W) and A K-major, the call runs swapped, C^T = op(B)^T A^T, so B
+    is the kernel's A and is read in place, on the bucket the table picks for the transposed
+    problem (N, M, K). Unless that bucket swaps itself (the table prefers this orientation:
+    B is staged K-major) or is a row tile (which reads A K-major only)."""
+    b_unit = _unit_dim(b)
+    if (arch != "sm90" or bucket.swap_ab or b_unit is None or _unit_dim(a) != "last"
+            or (b_form, b_unit) in (("nk", "last"), ("kn", "first"))):
+        return bucket
+    flipped = dispatch.lookup(op, TF32, arch, n, m, k)
+    if flipped.swap_ab or flipped.tile[0] < 64:
+        return bucket
+    return dataclasses.replace(flipped, swap_ab=True)
 
 
 def swapped_operands(a, b, b_form):

@@ -180,10 +180,16 @@ def test_nn_linear_and_mode():
     assert same_bits(x.grad.cpu(), reference.mm(gy.cpu(), lin.weight.detach().cpu()))
     want_dw = reference.chain(gy.t().cpu(), x.detach().cpu(), op="dw")
     assert same_bits(mod.weight.grad.cpu(), want_dw)
-    a, b = rand(300, 512), rand(512, 200)
+    a, b = rand(300, 512), rand(512, 200)  # b N-major: runs swapped, b read in place
     with dg.batch_invariant_mode(strict=True):
         z = a @ b
     assert same_bits(z.cpu(), reference.mm(a.cpu(), b.cpu()))
+    # the mode's autograd: dX = dY @ W (W N-major as aten passes it), at torch's flag (the
+    # backward runs on autograd's thread, where this thread's override does not reach)
+    xm = x.detach().clone().requires_grad_(True)
+    with torch_tf32(True), dg.batch_invariant_mode(strict=True):
+        torch.nn.functional.linear(xm, lin.weight.detach()).backward(gy)
+    assert same_bits(xm.grad.cpu(), reference.mm(gy.cpu(), lin.weight.detach().cpu()))
 
 
 @pytest.mark.parametrize("rows,cols,width", [(777, 130, 784), (1, 64, 8), (64, 1, 64),

@@ -263,3 +263,32 @@ def test_dx_tf32_buckets_read_the_weight_in_place():
     for b in registry.get_registry("sm80").buckets:
         if "tf32" in b.dtypes:
             assert {c["a_major"] for c, _ in aot._bucket_keys(b, "sm_80", "all")} == {"k"}
+
+
+def test_tf32_calls_with_an_mn_major_b_run_swapped_on_sm90():
+    """sm90's TF32 kernels read B K-major only: a call whose B is N-major (mm's [K, N]
+    weight, the mode's dX = dY @ W) runs swapped, so B is the kernel's A (read through
+    registers), on the table's pick for the transposed problem; a K-major B, sm80, a bucket
+    that already swaps and a transposed pick that swaps back keep the table's bucket."""
+    from detgemm_cute import dispatch
+    from detgemm_cute.gemm import TF32, tf32_orientation
+
+    a, b = torch.randn(300, 512), torch.randn(512, 4096)  # A K-major, B [K, N] N-major
+    fwd = dispatch.lookup("fwd", TF32, "sm90", 300, 4096, 512)
+    got = tf32_orientation("fwd", "sm90", fwd, a, b, "kn", 300, 4096, 512)
+    want = dispatch.lookup("fwd", TF32, "sm90", 4096, 300, 512)
+    assert got.swap_ab and got.tile[0] >= 64 and not want.swap_ab
+    assert (got.tile, got.cluster, got.stages, got.name) == (want.tile, want.cluster,
+                                                              want.stages, want.name)
+    w = torch.randn(4096, 512)  # B as [N, K], K-major: nothing to do
+    assert tf32_orientation("fwd", "sm90", fwd, a, w, "nk", 300, 4096, 512) is fwd
+    assert tf32_orientation("fwd", "sm80", fwd, a, b, "kn", 300, 4096, 512) is fwd
+    dx = dispatch.lookup("dx", TF32, "sm90", 300, 4096, 512)
+    assert dx.swap_ab and tf32_orientation("dx", "sm90", dx, a, b, "kn", 300, 4096, 512) is dx
+    a_m = torch.randn(512, 300).t()  # an M-major A cannot be the swapped kernel's B
+    assert tf32_orientation("fwd", "sm90", fwd, a_m, b, "kn", 300, 4096, 512) is fwd
+    # (4096, 384, 4096) transposed is (384, 4096, 4096), whose pick swaps: B is staged
+    assert dispatch.lookup("fwd", TF32, "sm90", 384, 4096, 4096).swap_ab
+    fwd = dispatch.lookup("fwd", TF32, "sm90", 4096, 384, 4096)
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 384)
+    assert tf32_orientation("fwd", "sm90", fwd, a, b, "kn", 4096, 384, 4096) is fwd
