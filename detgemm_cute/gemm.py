@@ -30,6 +30,7 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split, split_decode, staging
 from .errors import check_gemm_args
+from .kernels import sm90_limits
 from .kernels import tensor_needs as needs
 
 _ALIGN = needs.VEC_BYTES
@@ -294,10 +295,11 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
         if a_unit == "first" and bucket.tile[0] < 64:
             a_unit = None  # a row tile loads BM-row boxes of a K-major A: stage an M-major one
         if tf32:  # the TF32 kernels read B K-major only; A too, but sm90 reads an
-            # M-major A through registers (kernels/sm90_base.py `ARegs`): with a swapped
-            # bucket that is dX's weight, read in place instead of staged
-            a_unit = a_unit if a_unit == "last" or (a_unit == "first" and arch == "sm90") \
-                else None
+            # M-major A through registers (kernels/sm90_base.py `ARegs`) where the tile
+            # does that well: with a swapped bucket that is dX's weight, read in place
+            in_regs = arch == "sm90" and sm90_limits.reads_a_in_registers(bucket.tile[0],
+                                                                          bucket.pingpong)
+            a_unit = a_unit if a_unit == "last" or (a_unit == "first" and in_regs) else None
             k_major_b = (b_form, b_contig) in (("nk", "last"), ("kn", "first"))
             b_contig = b_contig if k_major_b else None
         stage_a = stage_b = None
@@ -333,13 +335,15 @@ def tf32_orientation(op, arch, bucket, a, b, b_form, m, n, k):
     the mode's dX = dY @ W) and A K-major, the call runs swapped, C^T = op(B)^T A^T, so B
     is the kernel's A and is read in place, on the bucket the table picks for the transposed
     problem (N, M, K). Unless that bucket swaps itself (the table prefers this orientation:
-    B is staged K-major) or is a row tile (which reads A K-major only)."""
+    B is staged K-major) or does not read A through registers well
+    (`sm90_limits.reads_a_in_registers`)."""
     b_unit = _unit_dim(b)
     if (arch != "sm90" or bucket.swap_ab or b_unit is None or _unit_dim(a) != "last"
             or (b_form, b_unit) in (("nk", "last"), ("kn", "first"))):
         return bucket
     flipped = dispatch.lookup(op, TF32, arch, n, m, k)
-    if flipped.swap_ab or flipped.tile[0] < 64:
+    if flipped.swap_ab or not sm90_limits.reads_a_in_registers(flipped.tile[0],
+                                                                flipped.pingpong):
         return bucket
     return dataclasses.replace(flipped, swap_ab=True)
 

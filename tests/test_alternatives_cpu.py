@@ -340,11 +340,12 @@ def test_builtin_dw_prefill_costs_follow_from_the_committed_records():
 def test_builtin_tf32_buckets_follow_from_the_committed_records():
     """The fwd tf32 buckets are `tune-fit`'s selection from
     bench/results/tune/tune_tf32_*.json.xz, whose records hold fwd and dx GEMMs alike as
-    GEMM-dims problems (op fwd, `orig_op` kept); the dx ones are that selection's kernels of
-    BM >= 64, all swapped (dx reads its weight through registers: the kernel's A), with the
-    same costs."""
+    GEMM-dims problems (op fwd, `orig_op` kept); the dx ones are that selection's kernels
+    that read A through registers well (`sm90_limits.reads_a_in_registers`), all swapped (dx
+    reads its weight through registers: the kernel's A), with the same costs."""
     from pathlib import Path
 
+    from detgemm_cute.kernels.sm90_limits import reads_a_in_registers
     from detgemm_cute.tune.candidates import Candidate
     from detgemm_cute.tune.fit_command import read_records
     from detgemm_cute.tune.summary import all_fields, points_of
@@ -364,7 +365,8 @@ def test_builtin_tf32_buckets_follow_from_the_committed_records():
         want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + (0.0,) for n in names}
         swapped = {Candidate.from_fields({**fields[n], "swap_ab": True}).name: c
                    for n, c in want.items()
-                   if fields[n]["tile"][0] >= 64}
+                   if reads_a_in_registers(fields[n]["tile"][0],
+                                           fields[n].get("pingpong", False))}
         for op, op_want in (("fwd", want), ("dx", swapped)):
             got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
                    if b.group == f"{op}_{group}"}

@@ -228,6 +228,8 @@ def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent
     descriptor; with ptxas at hand, nothing spills. sm_80's TF32 kernels read A K-major
     only, and the key says so before compiling."""
     import re
+    import shutil
+    import subprocess
 
     pytest.importorskip("cutlass")
     from detgemm_cute import compile as kcompile
@@ -241,6 +243,10 @@ def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent
     assert mma and all(re.fullmatch(r"\{%r\d+, %r\d+, %r\d+, %r\d+\}", a) for a in mma)
     assert re.search(r"ld\.shared\.b32", ptx)
     _assert_no_spills(ptx, tmp_path)
+    if shutil.which("ptxas"):  # and the WGMMAs stay asynchronous (no C7512 serialization)
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
+        assert "C7512" not in info.stderr, info.stderr[-500:]
     k_major = _audited_ptx(kcompile.KernelKey(**{**key.__dict__, "a_major": "k"}), tmp_path)
     assert not re.search(r"tf32\.tf32 \{[^}]*\}, \{", k_major)  # K-major: descriptors
     with pytest.raises(ValueError, match="K-major only"):
@@ -250,14 +256,15 @@ def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent
 
 def test_dx_tf32_buckets_read_the_weight_in_place():
     """Every sm90 dx tf32 alternative swaps operands (its kernel's A is the weight, M-major,
-    read through registers: no staging copy), has BM >= 64 (row tiles read A K-major), and
-    warmup builds it with that A; the sm80 ones stay K-major."""
+    read through registers: no staging copy), reads A through registers well (BM >= 64, no
+    128-row ping-pong), and warmup builds it with that A; the sm80 ones stay K-major."""
     from detgemm_cute import aot, registry
+    from detgemm_cute.kernels.sm90_limits import reads_a_in_registers
 
     reg = registry.get_registry("sm90")
     dx = [b for b in reg.buckets if b.op == "dx" and "tf32" in b.dtypes]
     assert len(dx) >= 10
-    assert all(b.swap_ab and b.tile[0] >= 64 for b in dx)
+    assert all(b.swap_ab and reads_a_in_registers(b.tile[0], b.pingpong) for b in dx)
     for b in dx:
         assert {call["a_major"] for call, _ in aot._bucket_keys(b, "sm_90a", "all")} == {"m"}
     for b in registry.get_registry("sm80").buckets:

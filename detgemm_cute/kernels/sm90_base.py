@@ -581,7 +581,9 @@ class Sm90Base(EpilogueStores):
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage):
         """One k tile: its 16-wide (TF32: 8-wide) WGMMA steps in ascending K onto the
         accumulators. With `a_regs` the k tile's A is first copied into the registers, once
-        the WGMMAs that read them for the previous k tile have retired."""
+        the WGMMAs that read them for the previous k tile have retired. (Issuing each step
+        as its own group, its registers refilled while the previous tile's later steps run,
+        measured no faster on an H100: tf32 dX 1.4-3.8% slower over 181 problems.)"""
         a, a_stage = tCrA, stage
         if cutlass.const_expr(self.a_regs):
             cute.nvgpu.warpgroup.wait_group(0)

@@ -106,6 +106,14 @@ PINGPONG_TILE_M = (64, 128)
 PINGPONG_TILE_N_MAX = {64: 256, 128: 192}
 
 
+def reads_a_in_registers(tile_m: int, pingpong: bool) -> bool:
+    """Whether a TF32 tile takes an M-major A through registers (`Sm90Base.a_regs`) well:
+    BM >= 64 (a row tile reads A K-major only), and not a 128-row ping-pong tile, whose one
+    warpgroup holds the whole accumulator: with A's registers beside it ptxas serializes the
+    WGMMAs (warning C7512, 128 x 192 on 2026-11-28)."""
+    return tile_m >= 64 and not (pingpong and tile_m > 64)
+
+
 def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False,
                in_bytes: int = IN_BYTES) -> int:
     """Shared memory the kernel allocates: A/B stages, barriers, and the epilogue staging
