@@ -18,6 +18,7 @@ from . import compile as kcompile
 from . import registry
 from .batched import plan_key, reads_a_rows, with_a_loads
 from .gemm import stores_direct
+from .kernels import sm90_limits
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
 # Per kernel family: (what the audit reports missing, pattern that must occur in the PTX).
@@ -91,10 +92,12 @@ def _split_variants(bucket, which: str):
 
 def _tf32_variants(bucket, which: str):
     """tf32 buckets: fp32 operands, both K-major (the op layer stages any other layout),
-    except a swapped dx bucket's A, the weight as it lies (M-major, read through registers);
+    except a swapped dx bucket's A where its tile reads A through registers (the weight as
+    it lies, M-major: `gemm._make_plan`);
     "core": fp32 out (with bias for fwd); "all": every output dtype, with and without bias."""
-    base = dict(dtype="tf32", a_major="m" if bucket.op == "dx" and bucket.swap_ab else "k",
-                b_form="nk", b_contig="last")
+    in_regs = (bucket.op == "dx" and bucket.swap_ab  # swapped buckets are sm90's
+               and sm90_limits.reads_a_in_registers(bucket.tile[0], bucket.pingpong))
+    base = dict(dtype="tf32", a_major="m" if in_regs else "k", b_form="nk", b_contig="last")
     if bucket.op == "bmm":  # one launch per batch; B [L, K, N] K-first is the "kn" view
         yield dict(base, b_form="kn", b_contig="first", out_dtype="fp32", has_bias=False,
                    batched=True)

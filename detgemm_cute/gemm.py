@@ -103,6 +103,11 @@ def _gpu_arch(arch: str, device: torch.device) -> str:
     return kcompile.gpu_arch_for(arch, torch.cuda.get_device_capability(device))
 
 
+def _k_major_b(b_form: str, unit: str | None) -> bool:
+    """Whether B (given as `b_form`, its unit-stride dim `unit`) is K-major."""
+    return (b_form, unit) in (("nk", "last"), ("kn", "first"))
+
+
 def _unit_dim(t: torch.Tensor) -> str | None:
     """Which dim of a 2-D operand TMA can take as contiguous ("last" or "first"), or None
     when it cannot read the tensor in place (no unit stride, a non-unit stride that is not
@@ -300,8 +305,7 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
             in_regs = arch == "sm90" and sm90_limits.reads_a_in_registers(bucket.tile[0],
                                                                           bucket.pingpong)
             a_unit = a_unit if a_unit == "last" or (a_unit == "first" and in_regs) else None
-            k_major_b = (b_form, b_contig) in (("nk", "last"), ("kn", "first"))
-            b_contig = b_contig if k_major_b else None
+            b_contig = b_contig if _k_major_b(b_form, b_contig) else None
         stage_a = stage_b = None
         if a_unit is None:  # padded in its own layout, else copied K-major
             a_unit = padded_staging(a, 1, bucket.tile[0] >= 64)  # None for fp32 (TF32)
@@ -339,7 +343,7 @@ def tf32_orientation(op, arch, bucket, a, b, b_form, m, n, k):
     (`sm90_limits.reads_a_in_registers`)."""
     b_unit = _unit_dim(b)
     if (arch != "sm90" or bucket.swap_ab or b_unit is None or _unit_dim(a) != "last"
-            or (b_form, b_unit) in (("nk", "last"), ("kn", "first"))):
+            or _k_major_b(b_form, b_unit)):
         return bucket
     flipped = dispatch.lookup(op, TF32, arch, n, m, k)
     if flipped.swap_ab or not sm90_limits.reads_a_in_registers(flipped.tile[0],

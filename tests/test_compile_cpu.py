@@ -83,8 +83,9 @@ def _audited_ptx(key, tmp_path) -> str:
     return ptx
 
 
-def _assert_no_spills(ptx: str, tmp_path) -> None:
-    """With ptxas at hand: the PTX assembles for sm_90a with no spill stores."""
+def _assert_no_spills(ptx: str, tmp_path) -> str:
+    """With ptxas at hand: the PTX assembles for sm_90a with no spill stores; returns
+    ptxas's report ("" without ptxas)."""
     import re
     import shutil
     import subprocess
@@ -95,6 +96,8 @@ def _assert_no_spills(ptx: str, tmp_path) -> None:
                                str(tmp_path / "k.cubin")], capture_output=True, text=True)
         assert info.returncode == 0, info.stderr[-500:]
         assert re.search(r"\b0 bytes spill stores", info.stderr), info.stderr[-500:]
+        return info.stderr
+    return ""
 
 
 @pytest.mark.parametrize("tile, cluster, persistent, pingpong, batched, swap", [

@@ -228,8 +228,6 @@ def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent
     descriptor; with ptxas at hand, nothing spills. sm_80's TF32 kernels read A K-major
     only, and the key says so before compiling."""
     import re
-    import shutil
-    import subprocess
 
     pytest.importorskip("cutlass")
     from detgemm_cute import compile as kcompile
@@ -242,11 +240,8 @@ def test_m_major_a_is_read_through_registers(tmp_path, tile, cluster, persistent
     mma = re.findall(r"wgmma\.mma_async\S*\.f32\.tf32\.tf32 \{[^}]*\}, (\{[^}]*\}|%rd\d+)", ptx)
     assert mma and all(re.fullmatch(r"\{%r\d+, %r\d+, %r\d+, %r\d+\}", a) for a in mma)
     assert re.search(r"ld\.shared\.b32", ptx)
-    _assert_no_spills(ptx, tmp_path)
-    if shutil.which("ptxas"):  # and the WGMMAs stay asynchronous (no C7512 serialization)
-        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
-                               str(tmp_path / "k.cubin")], capture_output=True, text=True)
-        assert "C7512" not in info.stderr, info.stderr[-500:]
+    report = _assert_no_spills(ptx, tmp_path)
+    assert "C7512" not in report, report[-500:]  # the WGMMAs are not serialized
     k_major = _audited_ptx(kcompile.KernelKey(**{**key.__dict__, "a_major": "k"}), tmp_path)
     assert not re.search(r"tf32\.tf32 \{[^}]*\}, \{", k_major)  # K-major: descriptors
     with pytest.raises(ValueError, match="K-major only"):
