@@ -7,13 +7,20 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 - `stream` / `cluster`: the two fused kernels at their default shapes, forced
   (`SplitGemvFp32`; `ClusterGemvFp32` on sm_90 where M <= CLUSTER_M or with the cluster
   sweep), whichever the path picks;
-- `fused_*` / `cluster_*` / `tile_*` / `inline_*` (``--sweep``): the kernels at each
-  shape `SWEEP`, `CLUSTER_BUDGETS`, `TILE_SWEEP` and `INLINE_SWEEP` give, forced;
+- `stream_twopass` / `tile_twopass`: the streaming kernel at its default shape, and the
+  tile kernel where the path runs it, with W's row maxima taken before each block (no
+  guessed scales: what `w_guess` replaced); `stream_cold`: with
+  guessed scales that are all wrong (the buffer zeroed before each call, so every block
+  runs twice: a weight whose every block changed scale since its last call);
+- `fused_*` / `cluster_*` / `tile_*` / `inline_*` / `guess_*` (``--sweep``): the kernels at
+  each shape `SWEEP`, `CLUSTER_BUDGETS`, `TILE_SWEEP`, `INLINE_SWEEP` and `GUESS_SWEEP`
+  give, forced;
 - `cublas_sgemm`: `F.linear` with TF32 off; `read_w`: one read of W (a row maximum), the
   floor of any kernel that reads the fp32 weight.
 Bits: every detgemm unit against `split_path` on the first input set.
 
-    python bench/bench_fp32_decode.py --out $OUT [--sweep [cluster|stream|tile|inline]]
+    python bench/bench_fp32_decode.py --out $OUT
+        [--sweep [cluster|stream|tile|inline|guess]]
         [--max-seconds 300]
 """
 
@@ -50,13 +57,18 @@ TILE_SWEEP = [(r, g, s, c) for r in (16, 32, 64)
 # kernel (X in fp32, M <= 16).
 INLINE_SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 2, 2, 2), (8, 1, 4, 2), (8, 4, 2, 2),
                 (8, 2, 3, 1), (16, 1, 3, 1), (16, 2, 2, 1)]
+# (rows, group, stages, CTAs per SM) of the streaming kernel with guessed W scales (X in fp32
+# from 8 rows of X, with its scales taken in the kernel up to 4).
+GUESS_SWEEP = [(8, 2, 3, 2), (8, 2, 4, 2), (8, 2, 5, 2), (8, 4, 3, 2), (8, 1, 6, 2),
+               (8, 2, 2, 2), (16, 1, 4, 1), (8, 2, 6, 1), (16, 1, 3, 1), (16, 1, 2, 1),
+               (8, 1, 4, 1)]
 # Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
 CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                   warm_replays=1, est_min_ms=0.3)
 
 
-FORCED = ("fused_", "cluster", "stream", "tile", "inline")  # units that force one kernel and shape
+FORCED = ("fused_", "cluster", "stream", "tile", "inline", "guess_")  # units that force one kernel and shape
 
 
 def split_path(s):
@@ -89,6 +101,27 @@ def forced_inline(m, n, rows, group, stages, per_sm, sms):
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
+def forced_guess(m, n, rows, group, stages, per_sm, sms):
+    """The streaming kernel with guessed W scales at one launch shape."""
+    m_rows = split_decode.m_rows_for(m)
+    inline = m_rows <= split_decode.X_INLINE_M
+    x_fp32 = inline or m_rows >= split_decode.X_FP32_M
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32, inline, True)
+    if m > split_decode.MAX_M or smem * per_sm > split_decode.SMEM_LIMIT:
+        return None
+    shape = split_decode.StreamShape(m_rows, rows, group, stages,
+                                     min(-(-n // rows), per_sm * sms), x_fp32, inline, True)
+    return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
+
+
+def cold(shape):
+    """`shape` with guessed scales that are all wrong: the weight's buffer zeroed first."""
+    def run(s):
+        split_decode.guesses(s[1]).zero_()
+        return split_decode.decode_gemm(s[0], s[1], None, shape)
+    return run
+
+
 def forced_tile(m, n, rows, group, stages, per_sm, sms):
     m_rows = max(16, split_decode.m_rows_for(m))
     if (m > split_decode.MAX_M or (m_rows // 16) * (rows // 8) < 8
@@ -112,12 +145,23 @@ def forced_cluster(m, k, budget=split_decode.CLUSTER_CTA_BYTES):
 def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     sets = [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
             for _ in range(min(8, n_sets_for(4 * (m + n) * k, l2, PLAN)))]
+    for s in sets:  # the weights' guess buffers, as a call before capture would make them
+        split_decode.guesses(s[1])
     units = {"detgemm_fp32": lambda s: dg.linear(s[0], s[1]), "split_path": split_path,
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
     stream_shape = split_decode.stream_shape(m, n, k, sets[0][0].device)
     if m <= split_decode.MAX_M:
         units["stream"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, stream_shape)
+        twopass = stream_shape._replace(w_guess=False)
+        units["stream_twopass"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, twopass)
+        if stream_shape.w_guess:
+            units["stream_cold"] = cold(stream_shape)
+        tile = split_decode.default_shape(m, n, k, sets[0][0].device)
+        if isinstance(tile, split_decode.TileShape):
+            tile_twopass = tile._replace(w_guess=False)
+            units["tile_twopass"] = lambda s: split_decode.decode_gemm(s[0], s[1], None,
+                                                                       tile_twopass)
         if m <= split_decode.CLUSTER_M or sweep in ("all", "cluster"):
             units["cluster"] = forced_cluster(m, k)[1]
     if sweep in ("all", "cluster"):
@@ -134,6 +178,10 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     if sweep in ("all", "inline"):
         for rows, group, stages, per_sm in INLINE_SWEEP:
             units[f"inline_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_inline(
+                m, n, rows, group, stages, per_sm, sms)
+    if sweep in ("all", "guess"):
+        for rows, group, stages, per_sm in GUESS_SWEEP:
+            units[f"guess_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_guess(
                 m, n, rows, group, stages, per_sm, sms)
     if sweep in ("all", "tile"):
         for rows, group, stages, per_sm in TILE_SWEEP:
@@ -166,27 +214,42 @@ def report(rows, meta) -> list[str]:
     low = [r for r in rows if r["us"].get("cublas_sgemm") and r["us"].get("detgemm_fp32")
            and r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] < 0.8]
     bits = all(all(r["bits_equal_split_path"].values()) for r in rows)
+    guessed = [r["us"]["stream_twopass"] / r["us"]["stream"] for r in rows
+               if r["us"].get("stream_twopass") and r["us"].get("stream")
+               and r["us"].get("stream_cold")]
+    tiled = [r["us"]["tile_twopass"] / r["us"]["detgemm_fp32"] for r in rows
+             if r["us"].get("tile_twopass") and r["us"].get("detgemm_fp32")]
+    cold = [r["us"]["stream_twopass"] / r["us"]["stream_cold"] for r in rows
+            if r["us"].get("stream_twopass") and r["us"].get("stream_cold")]
     lines = [f"# fp32 \"ieee\" at decode sizes ({meta['device']})", "",
              f"torch {torch.__version__}; CUDA-graph medians, us; one run. `read W`: one read of "
              "the fp32 weight (its row maxima), the floor of any kernel that reads it.", "",
              f"detgemm vs SGEMM: geomean {geomean(speed) or 0:.2f}x over {len(speed)} "
              f"problems, min {min(speed) if speed else 0:.2f}x, {len(low)} below 0.8x; bits "
              f"equal the split path on every problem: {bits}.", "",
+             f"Streaming kernel with guessed W scales vs the same launch taking W's row maxima "
+             f"first (`stream` vs `stream_twopass`): {geomean(guessed) or 0:.3f}x the speed "
+             f"over {len(guessed)} problems (min {min(guessed) if guessed else 0:.2f}x); every "
+             f"guess wrong (`stream_cold`): {geomean(cold) or 0:.3f}x. The tile kernel where "
+             f"the path runs it, vs `tile_twopass`: {geomean(tiled) or 0:.3f}x over "
+             f"{len(tiled)} problems.", "",
              "| M | K | N | detgemm fp32 | launch: cluster (X rows, CTAs, cap, groups), tile (X "
              "rows, W rows, group, stages, CTAs) or stream (X rows, W rows, group, stages, CTAs, "
              "X fp32, X scales inline) "
-             "| stream | cluster | split path | SGEMM | read W | vs SGEMM | split path vs SGEMM "
-             "| best forced |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| stream | two-pass | cold | cluster | split path | SGEMM | read W | vs SGEMM "
+             "| split path vs SGEMM | best forced |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
-        forced_us = {nm: v for nm, v in us.items() if nm.startswith(FORCED) and v}
+        forced_us = {nm: v for nm, v in us.items()
+                     if nm.startswith(FORCED) and nm != "stream_cold" and v}
         best = min(forced_us, key=forced_us.get) if forced_us else None
         def ratio(t, us=us):
             return "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"
 
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(us['detgemm_fp32'])} | "
-                     f"{_launch(r)} | {f(us.get('stream'))} | {f(us.get('cluster'))} | "
+                     f"{_launch(r)} | {f(us.get('stream'))} | {f(us.get('stream_twopass'))} | "
+                     f"{f(us.get('stream_cold'))} | {f(us.get('cluster'))} | "
                      f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
                      f"{ratio(us['detgemm_fp32'])} | {ratio(us['split_path'])} | "
                      f"{best or '-'} {f(forced_us.get(best))} |")
@@ -207,7 +270,7 @@ def main() -> int:
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
     ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
     ap.add_argument("--sweep", nargs="?", const="all",
-                    choices=["all", "cluster", "stream", "tile", "inline"],
+                    choices=["all", "cluster", "stream", "tile", "inline", "guess"],
                     help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()

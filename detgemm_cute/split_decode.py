@@ -46,6 +46,20 @@ X_INLINE_M = 4  # rows of X (m_rows) up to which the kernel takes X's row scales
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
 CTAS_PER_SM = 2
+# The streaming kernel guesses W's row scales (the weight's scales from its last call on the
+# stream, kept in `guesses`' buffers) instead of taking the row maxima before the block, and
+# checks them against the maxima of the values it split: a block whose guess was wrong runs
+# again at the right scales. A weight that has not changed since its last call (decode) is
+# read once instead of twice. ``DETGEMM_CUTE_FP32_GUESS=0`` (read at import) turns it off.
+GUESS = os.environ.get("DETGEMM_CUTE_FP32_GUESS", "1").strip().lower() not in ("0", "off",
+                                                                               "false")
+# Rows of X -> (rows of W per block, chunks per warp and round, stages, CTAs per SM) of the
+# streaming kernel with guessed scales (X in fp32; its scales in the kernel up to 4 rows).
+GUESS_SHAPES = {1: (8, 2, 2, 2), 2: (8, 2, 2, 2), 4: (8, 2, 2, 2), 8: (8, 2, 3, 2),
+                16: (16, 1, 4, 1)}
+GUESS_CAP_BYTES = 64 << 20  # guess buffers held at most (4 bytes a row of W)
+_GUESSES: dict = {}
+_guess_bytes = 0
 WIDE_M = 32  # rows of X from which a block of `SplitGemvFp32` takes 16 rows of W
 _WARPS = 8  # kernels.split_gemv.WARPS (that module imports the DSL)
 _SMEM_BYTES = 110 * 1024  # per CTA: two CTAs share an SM's 228 KiB
@@ -63,12 +77,15 @@ CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
 CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
 CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
 # Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`).
-TILE_MIN_N = {32: 8192, 64: 3584}
+# With guessed W scales the streaming kernel reads W once and beats it at 17..32 rows of X
+# (the four N >= 8192 problems of bench_fp32_decode: 1.14-1.33x).
+TILE_MIN_N = {64: 3584} if GUESS else {32: 8192, 64: 3584}
 
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
 OUT_NEED = needs.Need(needs.ELEMENT, (needs.ANY, needs.UNIT))
 BIAS_NEED = needs.Need(needs.ELEMENT, (needs.UNIT,))
+GUESS_NEED = needs.Need(needs.ELEMENT, (needs.UNIT,))  # int32 [N]: W's guessed row scales
 
 
 @contextlib.contextmanager
@@ -153,17 +170,20 @@ class StreamShape(NamedTuple):
     ctas: int
     x_fp32: bool = False
     x_inline: bool = False  # X's row scales taken in the kernel: no split kernel launch
+    w_guess: bool = False  # W's row scales guessed from the weight's last call, then checked
 
 
 def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False,
-               x_inline: bool = False) -> int:
+               x_inline: bool = False, w_guess: bool = False) -> int:
     """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and of X (fp32 or
-    its parts), the chunk exchange, the row scales (X's too with `x_inline`)."""
+    its parts), the chunk exchange, the row scales (X's too with `x_inline`), the row
+    maxima (W's per warp with `w_guess`)."""
     slots = _WARPS * group
     w = stages * rows * (slots * 32 + 16) * 4
     a = stages * m_rows * ((slots * 32 + 16) * 4 if x_fp32 else (slots * 96 + 16) * 2)
     scales = 2 * (max(8, rows) + (m_rows if x_inline else 0)) * 4
-    tops = _WARPS * 4 * (m_rows if x_inline else 1)
+    tops = 4 * max(_WARPS * (m_rows if x_inline else 1),
+                   _WARPS * max(8, rows) + 1 if w_guess else 0)
     return w + a + slots * m_rows * rows * 4 + scales + tops + 4 * 128
 
 
@@ -191,24 +211,42 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
       CTA's shared memory allows (`smem_limit`), else 2, one CTA per SM (X, staged per
       block of W, costs half as much per row of W: at M = 32 4096 x 4096 took 73 us against
       97 us with 8 rows). With fewer than sms / 2 blocks they lost to 8 rows (N = 1024:
-      M = 32 26 us against 33, M = 64 41 against 50), with 80 of 132 they won (N = 1280)."""
+      M = 32 26 us against 33, M = 64 41 against 50), with 80 of 132 they won (N = 1280).
+
+    With guessed W scales (`GUESS`), up to 16 rows of X take `GUESS_SHAPES` (`--sweep guess`:
+    11 shapes on the first 10 weights; at M = 16, 16 rows of W and 4 stages ran 1.29x the
+    speed of 8 rows and 2 stages, 1.13-1.45x per problem; at M = 1..8, 1.01-1.04x), but
+    8 rows of W where 16-row blocks leave SMs idle, as above (N = 1024: 20.3 us against
+    16.5)."""
     m_rows = m_rows_for(m)
+    if GUESS and m_rows in GUESS_SHAPES:
+        rows, group, stages, per_sm = GUESS_SHAPES[m_rows]
+        if rows == 16 and 2 * -(-n // 16) < sms:  # 16-row blocks would leave SMs idle
+            rows, group, stages, per_sm = GUESS_SHAPES[m_rows // 2]
+        inline = m_rows <= X_INLINE_M
+        if smem_bytes(m_rows, rows, group, stages, True, inline, True) <= smem_limit:
+            return StreamShape(m_rows, rows, group, stages, min(-(-n // rows), per_sm * sms),
+                               True, inline, True)
     if m_rows <= X_INLINE_M:
-        return StreamShape(m_rows, 8, 2, 3, min(-(-n // 8), CTAS_PER_SM * sms), True, True)
+        return StreamShape(m_rows, 8, 2, 3, min(-(-n // 8), CTAS_PER_SM * sms), True, True,
+                           GUESS)
     x_fp32 = m_rows >= X_FP32_M
-    stages = next((s for s in (3, 2) if smem_bytes(m_rows, 16, 1, s, x_fp32) <= smem_limit), 0)
+    stages = next((s for s in (3, 2)
+                   if smem_bytes(m_rows, 16, 1, s, x_fp32, w_guess=GUESS) <= smem_limit), 0)
     if m_rows >= WIDE_M and stages and 2 * -(-n // 16) >= sms:
         rows, group, per_sm = 16, 1, 1
     else:
         rows, group, stages = 8, 2, 2 if x_fp32 else 4
-        while stages > 2 and smem_bytes(m_rows, rows, group, stages, x_fp32) > _SMEM_BYTES:
+        size = functools.partial(smem_bytes, m_rows, rows, x_fp32=x_fp32, w_guess=GUESS)
+        while stages > 2 and size(group, stages) > _SMEM_BYTES:
             stages -= 1
-        while group > 1 and smem_bytes(m_rows, rows, group, stages, x_fp32) > _SMEM_BYTES:
+        while group > 1 and size(group, stages) > _SMEM_BYTES:
             group //= 2
-        fits = smem_bytes(m_rows, rows, group, stages, x_fp32) <= _SMEM_BYTES
+        fits = size(group, stages) <= _SMEM_BYTES
         per_sm = CTAS_PER_SM if fits else 1
     blocks = -(-n // rows)
-    return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32)
+    return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32, False,
+                       GUESS)
 
 
 class TileShape(NamedTuple):
@@ -219,14 +257,17 @@ class TileShape(NamedTuple):
     group: int
     stages: int
     ctas: int
+    w_guess: bool = False  # W's row scales guessed, then checked (`StreamShape.w_guess`)
 
 
-def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int) -> int:
+def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int,
+                    w_guess: bool = False) -> int:
     """Shared memory of one CTA of `SplitTileFp32`: the stages of W rows and of X's parts,
-    the row scales."""
+    the row scales (and with `w_guess` the row maxima per warp)."""
     w = stages * rows * (group * 32 + 16) * 4
     a = stages * m_rows * (group * 96 + 16) * 2
-    return w + a + 2 * rows * 4 + 4 * 128
+    tops = 4 * (_WARPS * rows + 1) if w_guess else 0
+    return w + a + 2 * rows * 4 + tops + 4 * 128
 
 
 @functools.lru_cache(maxsize=4096)
@@ -254,7 +295,7 @@ def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
         rows, group, per_sm = 64, 4, 1
     else:
         rows, group, per_sm = 64, 2, 2
-    return TileShape(m_rows, rows, group, 2, min(-(-n // rows), per_sm * sms))
+    return TileShape(m_rows, rows, group, 2, min(-(-n // rows), per_sm * sms), GUESS)
 
 
 class ClusterShape(NamedTuple):
@@ -295,7 +336,8 @@ def cluster_shape(m: int, k: int, budget: int = CLUSTER_CTA_BYTES) -> ClusterSha
 def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
     """Whether the fused path runs `ClusterGemvFp32` (sm_90 up, M <= CLUSTER_M,
     CLUSTER_MIN_K <= K <= CLUSTER_MAX_K) rather than `SplitGemvFp32`."""
-    return (capability >= (9, 0) and m <= CLUSTER_M and CLUSTER_MIN_K <= k <= CLUSTER_MAX_K
+    return (not GUESS and capability >= (9, 0) and m <= CLUSTER_M
+            and CLUSTER_MIN_K <= k <= CLUSTER_MAX_K
             and cluster_shape(m, k) is not None)
 
 
@@ -355,18 +397,44 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         return y
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     if isinstance(shape, TileShape):
-        build = (*shape[:4], bias is not None, arch)
+        guess = guesses(b_nk) if shape.w_guess else None
+        build = (*shape[:4], bias is not None, arch, guess is not None)
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
-        fn(w, w_bits, parts, sa, y, bias, shape.ctas)
+        fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
     else:
         if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
+        guess = guesses(b_nk) if shape.w_guess else None
         build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
-                 shape.x_fp32, shape.x_inline)
+                 shape.x_fp32, shape.x_inline, guess is not None)
         fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
-        fn(w, w_bits, parts, sa, y, bias, shape.ctas)
+        fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
     return y
+
+
+def guesses(b_nk: torch.Tensor) -> torch.Tensor | None:
+    """The int32 [N] buffer of W's guessed row scales for this weight (`SplitGemvFp32`'s
+    `w_guess`), or None (the call then takes the row maxima first): under CUDA-graph capture
+    for a weight with no buffer yet (a buffer made there would pin the graph's memory pool),
+    or once `GUESS_CAP_BYTES` are held. A buffer is made on a weight's first call outside
+    capture, uninitialized (every guess is checked, so any content is safe), and kept for
+    the process: captured graphs keep its address, so it is never freed. Keyed by the
+    weight's address, shape and row pitch: a new tensor at an old address inherits guesses,
+    which costs at most a second pass over a block, never a bit. Kernels on several streams
+    may read and write one buffer at once: each checks what it reads."""
+    global _guess_bytes
+    key = (b_nk.data_ptr(), *b_nk.shape, b_nk.stride(0), b_nk.device.index)
+    buf = _GUESSES.get(key)
+    if buf is None:
+        n = b_nk.shape[0]
+        if (_guess_bytes + 4 * n > GUESS_CAP_BYTES
+                or torch.cuda.is_current_stream_capturing()):
+            return None
+        buf = torch.empty(n, dtype=torch.int32, device=b_nk.device)
+        _GUESSES[key] = buf
+        _guess_bytes += 4 * n
+    return buf
 
 
 def _fake_operands(has_bias: bool, x_fp32: bool = False, x_inline: bool = False):
@@ -403,7 +471,7 @@ def _compile(kernel, args, arch: str, extra_options: str):
 
 def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
                    arch: str, x_fp32: bool = False, x_inline: bool = False,
-                   extra_options: str = ""):
+                   w_guess: bool = False, extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
@@ -411,20 +479,24 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
     from .kernels.split_gemv import SplitGemvFp32
 
     w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32, x_inline)
-    return _compile(SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline),
-                    (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
+    guess = needs.fake(cutlass.Int32, (y.shape[1],), GUESS_NEED) if w_guess else None
+    kernel = SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline, w_guess)
+    return _compile(kernel, (w, w_bits, parts, scales, y, bias, guess, cutlass.Int32(1)), arch,
+                    extra_options)
 
 
 def compile_tile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                        arch: str, extra_options: str = ""):
+                        arch: str, w_guess: bool = False, extra_options: str = ""):
     """The compiled `SplitTileFp32` for one launch shape (no GPU needed: fake tensors)."""
     import cutlass
 
     from .kernels.split_tile import SplitTileFp32
 
     w, w_bits, parts, scales, y, bias = _fake_operands(has_bias)
-    return _compile(SplitTileFp32(m_rows, rows, group, stages, has_bias),
-                    (w, w_bits, parts, scales, y, bias, cutlass.Int32(1)), arch, extra_options)
+    guess = needs.fake(cutlass.Int32, (y.shape[1],), GUESS_NEED) if w_guess else None
+    return _compile(SplitTileFp32(m_rows, rows, group, stages, has_bias, w_guess),
+                    (w, w_bits, parts, scales, y, bias, guess, cutlass.Int32(1)), arch,
+                    extra_options)
 
 
 def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has_bias: bool,

@@ -29,9 +29,24 @@ def test_sweep_shapes_fit_or_are_skipped(bd):
             assert (fn is None) == (smem * per_sm > split_decode.SMEM_LIMIT)
 
 
+def test_guess_sweep_shapes_fit_or_are_skipped(bd):
+    from detgemm_cute import split_decode
+
+    for m in bd.DECODE_M:
+        for rows, group, stages, per_sm in bd.GUESS_SWEEP:
+            fn = bd.forced_guess(m, 4096, rows, group, stages, per_sm, 132)
+            m_rows = split_decode.m_rows_for(m)
+            inline = m_rows <= split_decode.X_INLINE_M
+            smem = split_decode.smem_bytes(m_rows, rows, group, stages,
+                                           inline or m_rows >= split_decode.X_FP32_M, inline,
+                                           True)
+            assert (fn is None) == (smem * per_sm > split_decode.SMEM_LIMIT)
+
+
 def test_report_renders(bd):
     us = {"detgemm_fp32": 30.0, "split_path": 140.0, "cublas_sgemm": 28.0, "read_w": 24.0,
-          "stream": 41.0, "cluster": 30.2, "cluster_3_48_4": 29.5, "fused_r4_g2_s3_c1": None}
+          "stream": 41.0, "cluster": 30.2, "cluster_3_48_4": 29.5, "fused_r4_g2_s3_c1": None,
+          "stream_twopass": 45.1, "stream_cold": 20.0}
     rows = [{"M": 1, "K": 4096, "N": 4096, "fused": True, "cluster": True,
              "launch_shape": [1, 3, 48, 4],
              "us": us, "bits_equal_split_path": {"detgemm_fp32": True}},
@@ -39,10 +54,13 @@ def test_report_renders(bd):
              "us": dict(us, cluster=None), "bits_equal_split_path": {"detgemm_fp32": True}}]
     lines = bd.report(rows, {"device": "TEST GPU"})
     row = lines[-2]
-    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | cluster (1, 3, 48, 4) | 41.0 | 30.2 | "
-                          "140.0 | 28.0 | 24.0 |")
+    assert row.startswith("| 1 | 4096 | 4096 | 30.0 | cluster (1, 3, 48, 4) | 41.0 | 45.1 | "
+                          "20.0 | 30.2 | 140.0 | 28.0 | 24.0 |")
     assert "| 0.93 | 0.20 |" in row and row.endswith("cluster_3_48_4 29.5 |")
     assert lines[-1].startswith("| 16 | 4096 | 4096 | 30.0 | stream (16, 8, 1, 2, 264) | 41.0 | "
-                                "- |")
+                                "45.1 | 20.0 | - |")
     assert any("geomean 0.93x over 2 problems" in line and "0 below 0.8x" in line
+               for line in lines)
+    # the cold unit (every guess wrong) is a worst case, never the best forced shape
+    assert any("1.100x the speed over 2 problems" in line and "2.255x" in line
                for line in lines)

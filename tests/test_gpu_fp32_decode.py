@@ -84,6 +84,107 @@ def test_every_launch_shape_same_bits(m):
     assert ran >= 6
 
 
+def _guess_shape(m, rows=8, ctas=2 * SMS):
+    """A streaming launch with guessed W scales: the most stages (3 at most) and chunks per
+    round (2 at most) one CTA's shared memory holds."""
+    m_rows = split_decode.m_rows_for(m)
+    inline = m_rows <= split_decode.X_INLINE_M
+    x_fp32 = m_rows >= split_decode.X_FP32_M or inline
+    group, stages = next((g, s) for s in (3, 2) for g in (2, 1)
+                         if split_decode.smem_bytes(m_rows, rows, g, s, x_fp32, inline, True)
+                         <= split_decode.SMEM_LIMIT)
+    return split_decode.StreamShape(m_rows, rows, group, stages, ctas, x_fp32, inline, True)
+
+
+def _perturb(w, g):
+    """Change W in place the way training and tests can: rows whose largest magnitude
+    moves by a few binades (up and down), a row that gains one large value, a row that
+    becomes NaN / Inf / zero / subnormal, and rows left as they were."""
+    n = w.shape[0]
+    w[0] *= 4.0
+    w[min(5, n - 1)] *= 2.0 ** -3
+    w[n // 2, 7] = 1e30
+    if n > 20:
+        w[11, 3] = float("nan")
+        w[12, 9] = float("-inf")
+        w[13].zero_()
+        w[14] *= 2.0 ** -140
+    w[n - 1] = rand(w.shape[1], g=g, spread=True)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 16, 33, 64])
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_guessed_scales_follow_a_weight_that_changes(m, rows):
+    """The streaming kernel with guessed W scales (`w_guess`): the first call (a fresh
+    buffer: arbitrary guesses), a second (every guess right), then W changed in place
+    (some rows' scales move, special values) and two more calls: every result has the
+    split path's bits, and the buffer ends holding W's row scales."""
+    shape = _guess_shape(m, rows, ctas=7 if (m + rows) % 2 else 2 * SMS)  # 7: persistent
+    _follows_a_changing_weight(m, shape, seed=300 + 7 * m + rows)
+
+
+@pytest.mark.parametrize("m,rows,group", [(16, 64, 2), (17, 64, 2), (40, 32, 4), (64, 16, 1),
+                                          (64, 64, 4), (33, 64, 2)])
+def test_tile_kernel_guessed_scales_follow_a_weight_that_changes(m, rows, group):
+    """`SplitTileFp32` with guessed W scales, as the streaming kernel above: each warp's
+    rows of W meet in the check (the warps that split other rows add +0)."""
+    shape = split_decode.TileShape(max(16, split_decode.m_rows_for(m)), rows, group, 2,
+                                   7 if (m + rows) % 2 else 2 * SMS, True)
+    _follows_a_changing_weight(m, shape, seed=400 + 7 * m + rows)
+
+
+def _follows_a_changing_weight(m, shape, seed):
+    from detgemm_cute import split
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    n, k = 603, 32 * 45  # a partial last block and round
+    x, w, bias = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(n, g=g)
+    for step in range(4):
+        if step == 2:
+            _perturb(w, g)
+        want = split_path(x, w, bias)
+        poison()
+        assert same_bits_nan(split_decode.decode_gemm(x, w, bias, shape).cpu(), want.cpu()), \
+            (step, shape)
+    finite = torch.isfinite(w).all(dim=1)
+    held = split_decode.guesses(w)[finite].view(F32)
+    assert torch.equal(held, split.row_scales(w)[finite])
+
+
+def test_guessed_scales_under_cuda_graph_replays():
+    """A captured call keeps its guess buffer; W changed in place between replays (scales
+    moved by whole binades in some rows) still gives the split path's bits on every
+    replay, at M = 1 (X's scales in the kernel) and M = 12 (X split first)."""
+    g = torch.Generator(device=DEV).manual_seed(77)
+    for m in (1, 12):
+        x, w = rand(m, 2048, g=g, spread=True), rand(1000, 2048, g=g, spread=True)
+        out = torch.empty(m, 1000, device=DEV)
+        fn = lambda: dg.linear(x, w)  # noqa: E731
+        with split_decode.fused(True):
+            assert split_decode.default_shape(m, 1000, 2048, w.device).w_guess
+            out.copy_(fn())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out.copy_(fn())
+        for replay in range(4):
+            if replay in (1, 3):
+                _perturb(w, g)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert same_bits_nan(out.cpu(), split_path(x, w).cpu()), (m, replay)
+
+
+@pytest.mark.parametrize("m", [4, 5, 9, 16])
+def test_guessed_scales_special_values(m):
+    x, w = special_operands(m)
+    want = split_path(x, w)
+    shape = _guess_shape(m, ctas=5)
+    for _ in range(2):  # arbitrary guesses, then right ones
+        poison()
+        assert same_bits_nan(split_decode.decode_gemm(x, w, None, shape).cpu(), want.cpu())
+
+
 @pytest.mark.parametrize("m", [9, 16, 17, 29, 33, 41, 64])
 def test_every_tile_shape_same_bits(m):
     """`SplitTileFp32`: every rows/group/stages it takes (16, 32, 64 rows of W; 1, 2, 4, 8
@@ -116,6 +217,8 @@ def test_every_tile_shape_same_bits(m):
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="tile kernel: sm_90")
 @pytest.mark.parametrize("m,n", [(20, 8192), (32, 8200), (40, 3600), (64, 5000), (33, 9000)])
 def test_tile_rule_shapes_through_the_default_path(m, n):
+    if split_decode.m_rows_for(m) not in split_decode.TILE_MIN_N:
+        pytest.skip("the streaming kernel serves these rows of X (guessed W scales)")
     """Every configuration `tile_shape` ships (32- and 64-row blocks, 4 or 2 chunks a
     round, one or two CTAs per SM), through `dg.linear`, with and without bias."""
     assert isinstance(split_decode.default_shape(m, n, 256, torch.device(DEV)),

@@ -69,7 +69,7 @@ class SplitGemvFp32:
     in registers (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                 x_fp32: bool = False, x_inline: bool = False):
+                 x_fp32: bool = False, x_inline: bool = False, w_guess: bool = False):
         if (m_rows not in (1, 2, 4, 8, 16, 32, 64) or rows not in (2, 4, 8, 16)
                 or group not in (1, 2, 4) or not 2 <= stages <= 6
                 or (x_inline and (not x_fp32 or m_rows > 16))):
@@ -78,6 +78,7 @@ class SplitGemvFp32:
                              f"with x_fp32 and m_rows <= 16; got {m_rows}, {rows}, {group}, "
                              f"{stages}, {x_fp32}, {x_inline}")
         self.x_inline = x_inline  # X's row scales taken in the kernel (mSx unused)
+        self.w_guess = w_guess  # W's scales from mGuess, checked after the block (no pass 1)
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
         self.rows, self.group, self.stages = rows, group, stages
         self.bn = max(8, rows)  # the MMA's N extent: n8 blocks, rows past `rows` unused
@@ -93,11 +94,16 @@ class SplitGemvFp32:
         self.a_vec = (4, 8) if x_fp32 else (8, 12)
         self.outs = m_rows * rows  # outputs of a block (rows of X below m_rows)
         self.per_thread = -(-self.outs // THREADS)
+        # int32 scratch: the row maxima of X's rows (x_inline) or of W's rows (warps x rows;
+        # w_guess: then the block's redo flag after them).
+        self.tops_len = WARPS * (m_rows if x_inline else 1)
+        if w_guess:
+            self.tops_len = max(self.tops_len, WARPS * self.bn + 1)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
                  mSx: Optional[cute.Tensor], mY: cute.Tensor, mBias: Optional[cute.Tensor],
-                 ctas: cutlass.Int32, stream):
+                 mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
         w_floats = self.stages * self.rows * self.w_pitch
@@ -116,21 +122,21 @@ class SplitGemvFp32:
                 cute.struct.MemRange[cutlass.Float32, self.slots * self.outs], 16]
             scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
             inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, scales], 16]
-            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS * top_rows], 16]
+            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.tops_len], 16]
 
         self.shared_storage = SharedStorage
-        self.kernel(mW, mWbits, mA, mSx, mY, mBias, tiled_mma).launch(
+        self.kernel(mW, mWbits, mA, mSx, mY, mBias, mGuess, tiled_mma).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
                mSx: Optional[cute.Tensor], mY: cute.Tensor, mBias: Optional[cute.Tensor],
-               tiled_mma: cute.TiledMma):
+               mGuess: Optional[cute.Tensor], tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         warp, lane = tidx // 32, tidx % 32
-        bn, nb_n, grp, stages = self.bn, self.n_blocks, self.group, self.stages
+        bn, nb_n, stages = self.bn, self.n_blocks, self.stages
         n_total = cute.size(mW, mode=[0])
         chunks = cute.size(mW, mode=[1])
         m_total = cute.size(mA, mode=[0])
@@ -172,44 +178,25 @@ class SplitGemvFp32:
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
             copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
-            self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
-            for nb in cutlass.range_constexpr(nb_n):
-                row_scale[nb] = cutlass.Float32(1.0)
-                if nb * 8 + lane // 4 < rows:
-                    row_scale[nb] = s_scale[nb * 8 + lane // 4]
-            acc.fill(0.0)
-            for r in cutlass.range(rounds, unroll=1):
-                self._open_round(copy, r, rounds, tidx)
-                stage = r % stages
-                for gi in cutlass.range_constexpr(grp):
-                    slot = warp * grp + gi
-                    if r * self.slots + slot < chunks:
-                        self._split_w(s_w, row_scale, frag_b, slot, stage, lane)
-                        if cutlass.const_expr(self.x_fp32):
-                            self._split_a(s_a, x_scale, frag_a, slot, stage, m_total, lane)
-                        else:
-                            self._load_a(s_a, frag_a, slot, stage, m_total, lane)
-                        chunk.fill(0.0)
-                        for s in cutlass.range_constexpr(STEPS):
-                            cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
-                                      frag_b[(None, None, s)], chunk)
-                        self._store_chunk(chunk, s_parts, slot, m_total, lane)
-                cute.arch.sync_threads()
-                in_round = chunks - r * self.slots
-                for i in cutlass.range_constexpr(self.per_thread):
-                    o = tidx + i * THREADS
-                    m = o // rows
-                    if m < m_total:
-                        # Independent loads, then the adds in ascending chunk order.
-                        vals = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
-                        for sl in cutlass.range_constexpr(self.slots):
-                            if sl < in_round:
-                                vals[sl] = s_parts[(sl, m, o % rows)]
-                        total = acc[i]
-                        for sl in cutlass.range_constexpr(self.slots):
-                            if sl < in_round:
-                                total = total + vals[sl]
-                        acc[i] = total
+            block = (copy, rounds, s_scale, row_scale, acc, frag_a, frag_b, chunk, s_parts,
+                     x_scale, tiled_mma, tidx, warp, lane)
+            if cutlass.const_expr(self.w_guess):
+                # The block's rows at their guessed scales; if a row's maximum says
+                # otherwise, the block again at the scales it found (two attempts at most:
+                # the second's scales are the block's own).
+                s_wtops = storage.tops.get_tensor(cute.make_layout(WARPS * bn))
+                s_flag = cute.make_tensor(s_wtops.iterator + WARPS * bn, cute.make_layout(1))
+                self._open_guess(copy, rounds, mGuess, s_scale, s_inv, s_flag, tidx)
+                tops = cute.make_rmem_tensor((nb_n,), cutlass.Int32)
+                for _attempt in cutlass.range(2, unroll=1):
+                    if s_flag[0] != 0:
+                        tops.fill(0)
+                        self._rounds(*block, tops)
+                        self._check_guess(copy, rounds, tops, mGuess, s_scale, s_inv,
+                                          s_wtops, s_flag, tidx)
+            else:
+                self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
+                self._rounds(*block, None)
             for i in cutlass.range_constexpr(self.per_thread):
                 o = tidx + i * THREADS
                 m, n = o // rows, n0 + o % rows
@@ -218,6 +205,118 @@ class SplitGemvFp32:
                     self._store_unscaled(mY, mBias, m, n, acc[i], inv_x, s_inv, o % rows)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    @cute.jit
+    def _rounds(self, copy, rounds, s_scale: cute.Tensor, row_scale: cute.Tensor,
+                acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor, chunk: cute.Tensor,
+                s_parts: cute.Tensor, x_scale: cute.Tensor, tiled_mma: cute.TiledMma, tidx,
+                warp, lane, tops: Optional[cute.Tensor]):
+        """Steps 3 and 4 over one block: every round's chunks at the scales in `s_scale`,
+        added into `acc` in ascending chunk order (`tops`: this thread's maxima of |w| bits
+        per n8 block, for `_check_guess`)."""
+        rows, grp, stages = self.rows, self.group, self.stages
+        chunks, m_total = copy[8], copy[9]
+        for nb in cutlass.range_constexpr(self.n_blocks):
+            row_scale[nb] = cutlass.Float32(1.0)
+            if nb * 8 + lane // 4 < rows:
+                row_scale[nb] = s_scale[nb * 8 + lane // 4]
+        acc.fill(0.0)
+        for r in cutlass.range(rounds, unroll=1):
+            self._open_round(copy, r, rounds, tidx)
+            stage = r % stages
+            for gi in cutlass.range_constexpr(grp):
+                slot = warp * grp + gi
+                if r * self.slots + slot < chunks:
+                    self._split_w(copy[4], row_scale, frag_b, slot, stage, lane, tops)
+                    if cutlass.const_expr(self.x_fp32):
+                        self._split_a(copy[5], x_scale, frag_a, slot, stage, m_total, lane)
+                    else:
+                        self._load_a(copy[5], frag_a, slot, stage, m_total, lane)
+                    chunk.fill(0.0)
+                    for s in cutlass.range_constexpr(STEPS):
+                        cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
+                                  frag_b[(None, None, s)], chunk)
+                    self._store_chunk(chunk, s_parts, slot, m_total, lane)
+            cute.arch.sync_threads()
+            in_round = chunks - r * self.slots
+            for i in cutlass.range_constexpr(self.per_thread):
+                o = tidx + i * THREADS
+                m = o // rows
+                if m < m_total:
+                    # Independent loads, then the adds in ascending chunk order.
+                    vals = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
+                    for sl in cutlass.range_constexpr(self.slots):
+                        if sl < in_round:
+                            vals[sl] = s_parts[(sl, m, o % rows)]
+                    total = acc[i]
+                    for sl in cutlass.range_constexpr(self.slots):
+                        if sl < in_round:
+                            total = total + vals[sl]
+                    acc[i] = total
+
+    @cute.jit
+    def _open_guess(self, copy, rounds, mGuess: cute.Tensor, s_scale: cute.Tensor,
+                    s_inv: cute.Tensor, s_flag: cute.Tensor, tidx):
+        """A block's start with `w_guess`: the first stages - 1 rounds' copies go out, and
+        the rows' guessed scales (mGuess, as bits: any value; a wrong one costs a second
+        attempt, never a bit) and their reciprocals go to shared memory; then a barrier."""
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < rounds:
+                self._copy_round(*copy, s, s, tidx)
+            cute.arch.cp_async_commit_group()
+        n0, n_total = copy[6], copy[7]
+        if tidx == 0:
+            s_flag[0] = 1
+        if tidx < self.bn:
+            guess = cutlass.Int32(_ONE_BITS)
+            if tidx < self.rows and n0 + tidx < n_total:
+                guess = mGuess[n0 + tidx]
+            _scales_i(s_scale)[tidx] = guess
+            _scales_i(s_inv)[tidx] = inverse_bits(guess)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _check_guess(self, copy, rounds, tops: cute.Tensor, mGuess: cute.Tensor,
+                     s_scale: cute.Tensor, s_inv: cute.Tensor, s_tops: cute.Tensor,
+                     s_flag: cute.Tensor, tidx):
+        """After a block's rounds: each row's maximum of |w| bits over the CTA (the four
+        lanes of a row's fragments, then the warps in shared memory) gives its scale as the
+        row-maxima pass would (`scale_bits_of`). A row whose guess differs takes that scale
+        (shared memory and mGuess) and raises the flag; then the block's first rounds are
+        copied again for the next attempt. Barriers inside; every thread calls it."""
+        self._warp_tops(tops, s_tops, tidx // 32, tidx % 32)
+        if tidx == 0:
+            s_flag[0] = 0
+        cute.arch.sync_threads()
+        n0, n_total = copy[6], copy[7]
+        if tidx < self.rows and n0 + tidx < n_total:
+            top = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                top = cutlass.max(top, s_tops[w * self.bn + tidx])
+            scale_bits, inv_bits = scale_bits_of(top)
+            if scale_bits != _scales_i(s_scale)[tidx]:
+                _scales_i(s_scale)[tidx] = scale_bits
+                _scales_i(s_inv)[tidx] = inv_bits
+                mGuess[n0 + tidx] = scale_bits
+                s_flag[0] = 1
+        cute.arch.sync_threads()
+        if s_flag[0] != 0:
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            for s in cutlass.range_constexpr(self.stages - 1):
+                if s < rounds:
+                    self._copy_round(*copy, s, s, tidx)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _warp_tops(self, tops: cute.Tensor, s_tops: cute.Tensor, warp, lane):
+        """This warp's row maxima (the four lanes of each row's fragments) into its entries
+        of `s_tops` [warp][row]: every warp splits values of every row of the block."""
+        for nb in cutlass.range_constexpr(self.n_blocks):
+            top = cute.arch.warp_reduction(tops[nb], lambda a, b: cutlass.max(a, b),
+                                           threads_in_group=4)
+            if lane % 4 == 0:
+                s_tops[warp * self.bn + nb * 8 + lane // 4] = top
 
     @cute.jit
     def _store_unscaled(self, mY: cute.Tensor, mBias, m, n, value, inv_x, s_inv: cute.Tensor,
@@ -371,7 +470,7 @@ class SplitGemvFp32:
 
     @cute.jit
     def _split_w(self, s_w: cute.Tensor, row_scale: cute.Tensor, frag_b: cute.Tensor, slot,
-                 stage, lane):
+                 stage, lane, tops: Optional[cute.Tensor] = None):
         """B fragments of the chunk in `slot`'s six steps: per n8 block and 16-wide half,
         this thread's values 4t..4t+3 of row 8 * nb + lane / 4, x = w * s (exact),
         hi = fp16(x), -lo = fp16(hi - x), -hi = fp16(-x); steps -hi j0, -hi j1, -lo j0,
@@ -386,6 +485,10 @@ class SplitGemvFp32:
                     w.fill(0.0)
                     if g < self.rows:
                         cute.autovec_copy(s_w[(None, 4 * j + t, slot, g, stage)], w)
+                if cutlass.const_expr(tops is not None):
+                    bits = cute.recast_tensor(w, cutlass.Int32)
+                    for v in cutlass.range_constexpr(4):
+                        tops[nb] = cutlass.max(tops[nb], bits[v] & SIGN_OFF)
                 parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
                 split_quad(w.load() * row_scale[nb], parts, "b")
                 for p in cutlass.range_constexpr(3):
@@ -494,6 +597,22 @@ def scale_bits_of(top):
     e = cutlass.min(cutlass.max(_TOP_EXP + 254 - (top >> 23), 1), 254)
     inv_bits = cutlass.select_(e <= 253, (254 - e) << 23, cutlass.Int32(1 << 22))
     return cutlass.Int32(e << 23), cutlass.Int32(inv_bits)
+
+
+_ONE_BITS = 127 << 23  # 1.0f as bits: the scale of rows a block does not store
+
+
+def _scales_i(scales: cute.Tensor) -> cute.Tensor:
+    """A shared-memory fp32 tensor of scales seen as their int32 bits."""
+    return cute.make_tensor(cute.recast_ptr(scales.iterator, dtype=cutlass.Int32), scales.layout)
+
+
+@cute.jit
+def inverse_bits(scale_bits):
+    """The bits of 1 / scale for a scale's bits (`scale_bits_of`'s reciprocal rule: the
+    exponent field mirrored, 2^-127 as the subnormal it is)."""
+    e = scale_bits >> 23
+    return cutlass.select_(e <= 253, (254 - e) << 23, cutlass.Int32(1 << 22))
 
 
 @cute.jit

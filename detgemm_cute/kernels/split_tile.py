@@ -16,7 +16,9 @@ values of K, read by every warp):
 1. The cp.async ring: stages - 1 rounds of the block's W rows (fp32) and of X's fp16 parts
    (side "a", from the split kernel) go out first (`SplitGemvFp32._copy_round`).
 2. Row scales of W: the CTA streams its rows for their maxima (`_row_max`, `_write_scale`;
-   the copies of step 1 read the lines this pass brings into L2).
+   the copies of step 1 read the lines this pass brings into L2). With `w_guess` the scales
+   are guessed instead and checked after the block (`SplitGemvFp32._open_guess`,
+   `_check_guess`): a block whose guess was wrong runs again at the scales it found.
 3. Rounds: wait for round r, barrier, refill the oldest stage with round r + stages - 1.
    Warp (wm_i, nb) per chunk of the round: W's 8 rows of its n8 block scaled and split
    into the B fragments of the six ``m16n8k16`` steps (side "b"), then per m16 tile X's
@@ -43,6 +45,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, reciprocal, split_quad)
+from .split_parts import SIGN_OFF
 
 M_ROWS = (16, 32, 64)
 ROWS = (16, 32, 64)
@@ -54,7 +57,8 @@ class SplitTileFp32(SplitGemvFp32):
     tile per warp), ``group`` chunks per round (1, 2, 4 or 8), ``stages`` rounds in the
     cp.async ring (2..8), optional fp32 bias. (`split_decode.tile_shape` says which.)"""
 
-    def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool):
+    def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
+                 w_guess: bool = False):
         if (m_rows not in M_ROWS or rows not in ROWS or group not in (1, 2, 4, 8)
                 or not 2 <= stages <= 8 or (m_rows // 16) * (rows // 8) < WARPS):
             raise ValueError(f"SplitTileFp32: m_rows in {M_ROWS}, rows in {ROWS} with "
@@ -70,11 +74,13 @@ class SplitTileFp32(SplitGemvFp32):
         self.a_vec = (8, 12)
         self.warps_n = self.n_blocks
         self.wm = self.m_tiles // (WARPS // self.warps_n)  # m16 tiles per warp
+        self.w_guess = w_guess
+        self.tops_len = WARPS * self.bn + 1 if w_guess else WARPS
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
                  mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
-                 ctas: cutlass.Int32, stream):
+                 mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
         w_floats = self.stages * self.rows * self.w_pitch
@@ -86,16 +92,16 @@ class SplitTileFp32(SplitGemvFp32):
             a: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, a_values], 128]
             scale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
             inv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bn], 16]
-            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS], 16]
+            tops: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.tops_len], 16]
 
         self.shared_storage = SharedStorage
-        self.kernel(mW, mWbits, mA, mSx, mY, mBias, tiled_mma).launch(
+        self.kernel(mW, mWbits, mA, mSx, mY, mBias, mGuess, tiled_mma).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mWbits: cute.Tensor, mA: cute.Tensor,
                mSx: cute.Tensor, mY: cute.Tensor, mBias: Optional[cute.Tensor],
-               tiled_mma: cute.TiledMma):
+               mGuess: Optional[cute.Tensor], tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -134,23 +140,23 @@ class SplitTileFp32(SplitGemvFp32):
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
             copy = (g2s_w, g2s_a, mW, mA8, s_w, s_a, n0, n_total, chunks, m_total)
-            self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
-            w_scale = s_scale[nb * 8 + g]
-            acc.fill(0.0)
-            for r in cutlass.range(rounds, unroll=1):
-                self._open_round(copy, r, rounds, tidx)
-                stage = r % stages
-                for gi in cutlass.range_constexpr(grp):
-                    if r * grp + gi < chunks:
-                        self._split_w_block(s_w, w_scale, frag_b, nb, gi, stage, g, t)
-                        for i in cutlass.range_constexpr(self.wm):
-                            self._load_a_tile(s_a4, frag_a, mt0 + i, gi, stage, m_total, g, t)
-                            chunk.fill(0.0)
-                            for s in cutlass.range_constexpr(STEPS):
-                                cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
-                                          frag_b[(None, None, s)], chunk)
-                            for v in cutlass.range_constexpr(4):
-                                acc[(v, i)] = acc[(v, i)] + chunk[(v, 0, 0)]
+            block = (copy, rounds, s_scale, acc, frag_a, frag_b, chunk, s_w, s_a4, tiled_mma,
+                     nb, mt0, g, t)
+            if cutlass.const_expr(self.w_guess):
+                s_wtops = storage.tops.get_tensor(cute.make_layout(WARPS * self.bn))
+                s_flag = cute.make_tensor(s_wtops.iterator + WARPS * self.bn,
+                                          cute.make_layout(1))
+                self._open_guess(copy, rounds, mGuess, s_scale, s_inv, s_flag, tidx)
+                tops = cute.make_rmem_tensor((1,), cutlass.Int32)
+                for _attempt in cutlass.range(2, unroll=1):
+                    if s_flag[0] != 0:
+                        tops.fill(0)
+                        self._tile_rounds(*block, tidx, tops)
+                        self._check_guess(copy, rounds, tops, mGuess, s_scale, s_inv,
+                                          s_wtops, s_flag, tidx)
+            else:
+                self._open_block(copy, rounds, mWbits, s_scale, s_inv, s_tops, tidx)
+                self._tile_rounds(*block, tidx, None)
             for i in cutlass.range_constexpr(self.wm):
                 for v in cutlass.range_constexpr(4):
                     m = (mt0 + i) * 16 + g + 8 * (v // 2)
@@ -163,14 +169,55 @@ class SplitTileFp32(SplitGemvFp32):
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
 
     @cute.jit
+    def _tile_rounds(self, copy, rounds, s_scale: cute.Tensor, acc: cute.Tensor,
+                     frag_a: cute.Tensor, frag_b: cute.Tensor, chunk: cute.Tensor,
+                     s_w: cute.Tensor, s_a4: cute.Tensor, tiled_mma: cute.TiledMma, nb, mt0,
+                     g, t, tidx, tops: Optional[cute.Tensor]):
+        """Step 3 over one block at the scales in `s_scale`: this warp's chunks added into
+        `acc` (`tops`: this thread's maximum of |w| bits, for `_check_guess`)."""
+        grp, stages, chunks, m_total = self.group, self.stages, copy[8], copy[9]
+        w_scale = s_scale[nb * 8 + g]
+        acc.fill(0.0)
+        for r in cutlass.range(rounds, unroll=1):
+            self._open_round(copy, r, rounds, tidx)
+            stage = r % stages
+            for gi in cutlass.range_constexpr(grp):
+                if r * grp + gi < chunks:
+                    self._split_w_block(s_w, w_scale, frag_b, nb, gi, stage, g, t, tops)
+                    for i in cutlass.range_constexpr(self.wm):
+                        self._load_a_tile(s_a4, frag_a, mt0 + i, gi, stage, m_total, g, t)
+                        chunk.fill(0.0)
+                        for s in cutlass.range_constexpr(STEPS):
+                            cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
+                                      frag_b[(None, None, s)], chunk)
+                        for v in cutlass.range_constexpr(4):
+                            acc[(v, i)] = acc[(v, i)] + chunk[(v, 0, 0)]
+
+    @cute.jit
+    def _warp_tops(self, tops: cute.Tensor, s_tops: cute.Tensor, warp, lane):
+        """This warp's row maximum into `s_tops` [warp][row]: its n8 block's rows hold it
+        (the four lanes of each row reduced), the block's other rows +0 (other warps split
+        them)."""
+        top = cute.arch.warp_reduction(tops[0], lambda a, b: cutlass.max(a, b),
+                                       threads_in_group=4)
+        if lane % 4 == 0:
+            for nb in cutlass.range_constexpr(self.n_blocks):
+                s_tops[warp * self.bn + nb * 8 + lane // 4] = cutlass.select_(
+                    warp % self.warps_n == nb, top, cutlass.Int32(0))
+
+    @cute.jit
     def _split_w_block(self, s_w: cute.Tensor, w_scale, frag_b: cute.Tensor, nb, slot,
-                       stage, g, t):
+                       stage, g, t, tops: Optional[cute.Tensor] = None):
         """B fragments of one n8 block (`SplitGemvFp32._split_w` for one block): per 16-wide
         half j, this thread's values 4t..4t+3 of row 8 * nb + g, scaled and split into
         steps -hi j, -lo j, hi j (steps 2p + j take part p)."""
         for j in cutlass.range_constexpr(2):
             w = cute.make_rmem_tensor((4,), cutlass.Float32)
             cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+            if cutlass.const_expr(tops is not None):
+                bits = cute.recast_tensor(w, cutlass.Int32)
+                for v in cutlass.range_constexpr(4):
+                    tops[0] = cutlass.max(tops[0], bits[v] & SIGN_OFF)
             parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
             split_quad(w.load() * w_scale, parts, "b")
             for p in cutlass.range_constexpr(3):
