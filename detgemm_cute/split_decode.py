@@ -76,10 +76,12 @@ CLUSTER_MAX_K = 16384
 CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
 CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
 CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
-# Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`).
-# With guessed W scales the streaming kernel reads W once and beats it at 17..32 rows of X
-# (the four N >= 8192 problems of bench_fp32_decode: 1.14-1.33x).
-TILE_MIN_N = {64: 3584} if GUESS else {32: 8192, 64: 3584}
+# Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`),
+# W's scales taken first; with guessed scales (`tile_min_n`) the streaming kernel reads W
+# once and beats the two-pass tile kernel at 17..32 rows of X (the four N >= 8192 problems
+# of bench_fp32_decode: 1.14-1.33x; the tile kernel with guesses was not timed there).
+TILE_MIN_N = {32: 8192, 64: 3584}
+TILE_MIN_N_GUESS = {64: 3584}
 
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
@@ -136,9 +138,11 @@ def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
                   "a round (tile_shape at 132 SMs)")
     else:
         kernel = "kernels/split_gemv.py"
-        if arch == "sm90" and n is None and m_rows_for(m) in TILE_MIN_N:
-            kernel += (f"; kernels/split_tile.py from N = {TILE_MIN_N[m_rows_for(m)]} "
+        if arch == "sm90" and n is None and m_rows_for(m) in tile_min_n():
+            kernel += (f"; kernels/split_tile.py from N = {tile_min_n()[m_rows_for(m)]} "
                        "(tile_shape)")
+    if GUESS and not cluster:
+        kernel += ", W's row scales guessed from its last call and checked"
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "
@@ -153,6 +157,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile_min_n() -> dict[int, int]:
+    """`TILE_MIN_N_GUESS` with guessed W scales (`GUESS`), else `TILE_MIN_N`."""
+    return TILE_MIN_N_GUESS if GUESS else TILE_MIN_N
 
 
 def m_rows_for(m: int) -> int:
@@ -285,7 +294,8 @@ def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
     Below those N the blocks leave SMs idle and the streaming kernel, which splits K among
     a block's warps, wins (N = 2048: 105 us against 91 at M = 64)."""
     m_rows = m_rows_for(m)
-    if m_rows not in TILE_MIN_N or n < TILE_MIN_N[m_rows]:
+    min_n = tile_min_n()
+    if m_rows not in min_n or n < min_n[m_rows]:
         return None
     if m_rows == 32:
         rows, group, per_sm = 64, 2, 2
@@ -511,7 +521,8 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 
 __all__ = ["fused", "covers", "max_m", "applies", "explain_note", "decode_gemm",
            "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
-           "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "m_rows_for",
+           "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "TILE_MIN_N_GUESS",
+           "tile_min_n", "guesses", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES", "m_rows_for",
            "smem_bytes", "cluster_smem_bytes",
            "compile_kernel", "compile_cluster_kernel", "compile_tile_kernel", "TileShape",
            "tile_smem_bytes", "MAX_M", "SM80_MAX_M", "X_FP32_M", "X_INLINE_M",

@@ -51,24 +51,44 @@ def test_sm80_serves_32_rows_of_x_at_most(monkeypatch):
                                         None, "fwd")
 
 
+@pytest.fixture(params=[True, False], ids=["guess", "two-pass"])
+def guess(request, monkeypatch):
+    """Guessed W scales on (the default) or off (``DETGEMM_CUTE_FP32_GUESS=0``)."""
+    monkeypatch.setattr(split_decode, "GUESS", request.param)
+    split_decode.launch_shape.cache_clear()
+    split_decode.tile_shape.cache_clear()
+    yield request.param
+    split_decode.launch_shape.cache_clear()
+    split_decode.tile_shape.cache_clear()
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n,k", [(1, 32), (100, 4096), (1280, 8192), (4096, 4096),
-                                 (14336, 4096), (151936, 896)])
+                                 (14336, 4096), (151936, 896), (1024, 4096)])
 @pytest.mark.parametrize("cap", [(8, 0), (9, 0)])
-def test_launch_shape_arithmetic(m, n, k, cap):
+def test_launch_shape_arithmetic(m, n, k, cap, guess):
     if m > split_decode.max_m(cap):  # sm_80 serves 32 rows of X at most
         assert cap == (8, 0) and m > split_decode.SM80_MAX_M
         return
     limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
     shape = split_decode.launch_shape(m, n, k, 132, limit)
-    m_rows, rows, group, stages, ctas, x_fp32, x_inline = shape
+    m_rows, rows, group, stages, ctas, x_fp32, x_inline, w_guess = shape
     assert isinstance(shape, split_decode.StreamShape)
     assert m_rows >= m and m_rows == split_decode.m_rows_for(m)
     assert m_rows in (1, 2, 4, 8, 16, 32, 64)
     assert x_inline == (m_rows <= split_decode.X_INLINE_M)
+    assert w_guess == guess
+    smem = split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32, x_inline, w_guess)
+    assert smem <= limit
+    if guess and m_rows <= 16:  # `GUESS_SHAPES`, X in fp32
+        want = split_decode.GUESS_SHAPES[m_rows]
+        if want[0] == 16 and 2 * -(-n // 16) < 132:  # 16-row blocks would idle SMs
+            want = split_decode.GUESS_SHAPES[m_rows // 2]
+        assert (rows, group, stages) == want[:3] and x_fp32
+        assert ctas == min(-(-n // rows), want[3] * 132)
+        return
     if x_inline:  # X in fp32, its scales taken in the kernel: 8 rows, 2 chunks, 3 stages
         assert (x_fp32, rows, group, stages) == (True, 8, 2, 3)
-        smem = split_decode.smem_bytes(m_rows, rows, group, stages, True, True)
         per_sm_limit = split_decode.SMEM_LIMIT if cap >= (9, 0) else split_decode.SM80_SMEM
         assert 2 * smem <= per_sm_limit
         assert ctas == min(-(-n // 8), 2 * 132)
@@ -76,16 +96,16 @@ def test_launch_shape_arithmetic(m, n, k, cap):
     assert x_fp32 == (m_rows >= split_decode.X_FP32_M)
     # 16 rows of W from 32 rows of X, where one CTA's shared memory holds them and the
     # blocks give at least half the SMs one
-    fits = split_decode.smem_bytes(m_rows, 16, 1, 2, x_fp32) <= limit
+    fits = split_decode.smem_bytes(m_rows, 16, 1, 2, x_fp32, w_guess=guess) <= limit
     wide = m_rows >= split_decode.WIDE_M and fits and 2 * -(-n // 16) >= 132
     assert rows == (16 if wide else 8)
     assert group in (1, 2, 4) and 2 <= stages <= 4
     if wide:  # 3 stages where they fit
         assert group == 1 and stages == (
-            3 if split_decode.smem_bytes(m_rows, 16, 1, 3, x_fp32) <= limit else 2)
-    smem = split_decode.smem_bytes(m_rows, rows, group, stages, x_fp32)
+            3 if split_decode.smem_bytes(m_rows, 16, 1, 3, x_fp32, w_guess=guess) <= limit
+            else 2)
     per_sm = 2 if smem <= split_decode._SMEM_BYTES and rows == 8 else 1
-    assert smem * per_sm <= split_decode.SMEM_LIMIT and smem <= limit
+    assert smem * per_sm <= split_decode.SMEM_LIMIT
     assert 1 <= ctas <= min(-(-n // rows), per_sm * 132)
 
 
@@ -123,15 +143,43 @@ def test_compiled_code(arch, shape, tmp_path):
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kernel,shape", [("stream", (1, 8, 2, 2, True, True, True)),
+                                          ("stream", (16, 16, 1, 4, False, True, False)),
+                                          ("stream", (4, 2, 2, 3, False, False, False)),
+                                          ("tile", (64, 32, 4, 2, True)),
+                                          ("tile", (16, 64, 2, 2, False))])
+def test_guessed_scales_compiled_code(arch, kernel, shape, tmp_path):
+    """With `w_guess` no pass of 16-byte loads takes W's row maxima (only X's, in the
+    kernel, with `x_inline`): the maxima come from the split values, meet through
+    butterfly shuffles and shared memory, and a wrong guess is written back."""
+    opts = f"--keep-ptx --dump-dir={tmp_path}"
+    if kernel == "stream":
+        m_rows, rows, group, stages, bias, x_fp32, x_inline = shape
+        fn = split_decode.compile_kernel(m_rows, rows, group, stages, bias, arch, x_fp32,
+                                         x_inline, w_guess=True, extra_options=opts)
+    else:
+        fn = split_decode.compile_tile_kernel(*shape, arch, w_guess=True, extra_options=opts)
+    ptx = fn.__ptx__ or ""
+    ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
+    assert ("ld.global.v4.b32" in ops) == (kernel == "stream" and shape[6])
+    assert "shfl.sync.bfly.b32" in ops and "st.global.b32" in ops and "ld.global.b32" in ops
+    assert "cp.async.cg.shared.global" in ops and "cvt.rn.f16x2.f32" in ops
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n", [1, 1024, 3583, 3584, 4224, 4225, 8192, 8448, 8449, 18944])
-def test_tile_shape_arithmetic(m, n):
+def test_tile_shape_arithmetic(m, n, guess):
     shape = split_decode.tile_shape(m, n, 132)
     m_rows = split_decode.m_rows_for(m)
-    if m_rows not in split_decode.TILE_MIN_N or n < split_decode.TILE_MIN_N[m_rows]:
+    min_n = split_decode.TILE_MIN_N_GUESS if guess else split_decode.TILE_MIN_N
+    assert split_decode.tile_min_n() == min_n
+    if m_rows not in min_n or n < min_n[m_rows]:
         assert shape is None
         return
     assert isinstance(shape, split_decode.TileShape) and shape.m_rows == m_rows
+    assert shape.w_guess == guess
     blocks = -(-n // shape.rows)
     per_sm = 2 if (shape.rows, shape.group) == (64, 2) else 1
     assert shape.ctas == min(blocks, per_sm * 132) and shape.stages == 2
@@ -140,7 +188,7 @@ def test_tile_shape_arithmetic(m, n):
         assert shape.group == (2 if -(-n // 64) > 132 else 4)
     else:
         assert (shape.rows, shape.group) == (64, 2)
-    smem = split_decode.tile_smem_bytes(m_rows, shape.rows, shape.group, shape.stages)
+    smem = split_decode.tile_smem_bytes(m_rows, shape.rows, shape.group, shape.stages, guess)
     assert smem * per_sm <= split_decode.SMEM_LIMIT
 
 
@@ -190,7 +238,7 @@ def test_tile_compiled_code(arch, shape, tmp_path):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 32])
 @pytest.mark.parametrize("k", [32, 96, 1024, 3584, 4096, 5120, 7168, 14336, 18944, 28672])
-def test_cluster_shape_holds_the_block(m, k):
+def test_cluster_shape_holds_the_block(m, k, guess):
     chunks = k // 32
     shape = split_decode.cluster_shape(m, k)
     if shape is None:  # a cluster of 8 cannot hold the block: the streaming kernel serves
@@ -206,7 +254,7 @@ def test_cluster_shape_holds_the_block(m, k):
     assert split_decode.cluster_smem_bytes(m_rows, cluster, cap) <= split_decode.SMEM_LIMIT
     assert groups in (1, 2, 4) and -(-cap // groups) >= 8
     assert split_decode.uses_cluster(m, k, (9, 0)) == (
-        m <= split_decode.CLUSTER_M
+        not guess and m <= split_decode.CLUSTER_M
         and split_decode.CLUSTER_MIN_K <= k <= split_decode.CLUSTER_MAX_K)
     assert not split_decode.uses_cluster(m, k, (8, 0))  # clusters need sm_90
 
@@ -238,20 +286,20 @@ def test_cluster_compiled_code(shape, tmp_path):
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
 
 
-def test_explain_names_the_fused_path_where_it_serves():
+def test_explain_names_the_fused_path_where_it_serves(guess):
     from detgemm_cute import tables
 
     text = tables.explain("fwd", "fp32", "sm90", 1, 4096, 4096)
     assert "fused:" in text and "split_gemv" in text and split_decode.ENV in text
     text = tables.explain("fwd", "fp32", "sm90", 1, 4096, 14336)
-    assert "cluster_gemv.py, clusters of" in text
+    assert ("cluster_gemv.py, clusters of" in text) == (not guess)
     assert "split_gemv" in tables.explain("fwd", "fp32", "sm80", 1, 4096, 14336)
     assert "fused:" in tables.explain("dx", "torch.float32", "sm90", 32, 4096, 4096)
     assert "fused:" in tables.explain("fwd", "fp32", "sm90", 64, 4096, 4096)
     assert "split_tile.py, 32-row blocks of W, 4 chunks" in tables.explain(
         "fwd", "fp32", "sm90", 64, 4096, 4096)
-    assert "split_tile.py, 64-row blocks of W, 2 chunks" in tables.explain(
-        "fwd", "fp32", "sm90", 20, 8192, 4096)
+    assert ("split_tile.py, 64-row blocks of W, 2 chunks" in tables.explain(
+        "fwd", "fp32", "sm90", 20, 8192, 4096)) == (not guess)
     narrow = tables.explain("fwd", "fp32", "sm90", 64, 1024, 4096)
     assert "split_gemv.py" in narrow and "split_tile" not in narrow
     assert "split_tile" not in tables.explain("fwd", "fp32", "sm80", 20, 8192, 4096)
