@@ -3,18 +3,20 @@
 At small M the split path (`split.scaled_operand_cuda` on W, then the chunked GEMM) spends
 most of its time writing W's three fp16 parts and reading them back: 160 MB of traffic for a
 64 MB fp32 W. `SplitGemvFp32` reads W as fp32 and splits it in registers, with the split
-path's bits. Each CTA reads its block of W twice (the row maxima that set the scales, then
-the chunks); at K = 4096 the second read is served by L2 (ncu on an H100: 67 MB of DRAM reads
-for a 64 MB W), at K = 14336 mostly not (445 MB for 235 MB). On sm_90, one row of X at
-K in 8192..16384 runs `kernels.cluster_gemv.ClusterGemvFp32` instead: a cluster of up to 8
-CTAs splits each block's K range and keeps it in shared memory, the row maxima meet in
-distributed shared memory, and W is read once (ncu at 4096 x 4096: 69 MB of DRAM reads for
-a 64 MB W, but DRAM at 51% of peak: each CTA loads, then computes, with 4 CTAs per SM).
+path's bits. W's row scales are guessed (`guesses`: the weight's scales from its last
+call) and checked after each block, which runs again where a guess was wrong (`GUESS`), so
+W is read once. Without a guess buffer (``DETGEMM_CUTE_FP32_GUESS=0``, a weight first seen
+under CUDA-graph capture, `GUESS_CAP_BYTES` held) each CTA reads its block of W twice (the
+row maxima that set the scales, then the chunks; at K = 14336 the second read comes from
+DRAM again: ncu on an H100, 445 MB for a 235 MB W), and the two-pass rules choose the
+kernel: on sm_90, one row of X at K in 8192..16384 then runs
+`kernels.cluster_gemv.ClusterGemvFp32`, a cluster of up to 8 CTAs that keeps each block's K
+range in shared memory and meets the row maxima in distributed shared memory.
 
-At 17..64 rows of X and wide N, sm_90 runs `kernels.split_tile.SplitTileFp32`: each warp
-owns outputs over the whole K and adds its chunks in registers (`tile_shape`). Up to
-`X_INLINE_M` rows of X the streaming kernel takes X's row scales itself (`x_inline`), and
-no split kernel runs on X.
+At 33..64 rows of X and wide N (17..64 with the two-pass rules), sm_90 runs
+`kernels.split_tile.SplitTileFp32`: each warp owns outputs over the whole K and adds its
+chunks in registers (`tile_shape`). Up to `X_INLINE_M` rows of X the streaming kernel takes
+X's row scales itself (`x_inline`), and no split kernel runs on X.
 
 Which calls take it (`applies`): fwd/dX of the full-precision tier, no accumulation buffer,
 1 <= M <= 64 (32 on sm_80, whose shared memory cannot stage 64 rows of X), K a positive
@@ -159,9 +161,10 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tile_min_n() -> dict[int, int]:
-    """`TILE_MIN_N_GUESS` with guessed W scales (`GUESS`), else `TILE_MIN_N`."""
-    return TILE_MIN_N_GUESS if GUESS else TILE_MIN_N
+def tile_min_n(guess: bool | None = None) -> dict[int, int]:
+    """`TILE_MIN_N_GUESS` with guessed W scales (`guess`, default `GUESS`), else
+    `TILE_MIN_N`."""
+    return TILE_MIN_N_GUESS if (GUESS if guess is None else guess) else TILE_MIN_N
 
 
 def m_rows_for(m: int) -> int:
@@ -197,8 +200,8 @@ def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = F
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
-                 ) -> StreamShape:
+def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM,
+                 guess: bool | None = None) -> StreamShape:
     """The `StreamShape` of an M x N x K problem: X's rows (`m_rows_for`); rows of W per
     block; chunks per warp and round; cp.async stages; a persistent grid; X's form
     (`bench/bench_fp32_decode.py --sweep stream` measured the choices on an H100):
@@ -227,8 +230,9 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
     speed of 8 rows and 2 stages, 1.13-1.45x per problem; at M = 1..8, 1.01-1.04x), but
     8 rows of W where 16-row blocks leave SMs idle, as above (N = 1024: 20.3 us against
     16.5)."""
+    guess = GUESS if guess is None else guess
     m_rows = m_rows_for(m)
-    if GUESS and m_rows in GUESS_SHAPES:
+    if guess and m_rows in GUESS_SHAPES:
         rows, group, stages, per_sm = GUESS_SHAPES[m_rows]
         if rows == 16 and 2 * -(-n // 16) < sms:  # 16-row blocks would leave SMs idle
             rows, group, stages, per_sm = GUESS_SHAPES[m_rows // 2]
@@ -238,15 +242,15 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
                                True, inline, True)
     if m_rows <= X_INLINE_M:
         return StreamShape(m_rows, 8, 2, 3, min(-(-n // 8), CTAS_PER_SM * sms), True, True,
-                           GUESS)
+                           guess)
     x_fp32 = m_rows >= X_FP32_M
     stages = next((s for s in (3, 2)
-                   if smem_bytes(m_rows, 16, 1, s, x_fp32, w_guess=GUESS) <= smem_limit), 0)
+                   if smem_bytes(m_rows, 16, 1, s, x_fp32, w_guess=guess) <= smem_limit), 0)
     if m_rows >= WIDE_M and stages and 2 * -(-n // 16) >= sms:
         rows, group, per_sm = 16, 1, 1
     else:
         rows, group, stages = 8, 2, 2 if x_fp32 else 4
-        size = functools.partial(smem_bytes, m_rows, rows, x_fp32=x_fp32, w_guess=GUESS)
+        size = functools.partial(smem_bytes, m_rows, rows, x_fp32=x_fp32, w_guess=guess)
         while stages > 2 and size(group, stages) > _SMEM_BYTES:
             stages -= 1
         while group > 1 and size(group, stages) > _SMEM_BYTES:
@@ -255,7 +259,7 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM
         per_sm = CTAS_PER_SM if fits else 1
     blocks = -(-n // rows)
     return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32, False,
-                       GUESS)
+                       guess)
 
 
 class TileShape(NamedTuple):
@@ -280,7 +284,7 @@ def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
+def tile_shape(m: int, n: int, sms: int, guess: bool | None = None) -> TileShape | None:
     """The `SplitTileFp32` launch of an M x N problem on sm_90, or None where the streaming
     kernel is faster (`bench/bench_fp32_decode.py --sweep tile` on an H100, 12 public-model
     weights at M = 32 and 64; `bench/results/tune/fp32-decode-tile-sweep_*`):
@@ -293,8 +297,9 @@ def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
       2 stages, two CTAs per SM.
     Below those N the blocks leave SMs idle and the streaming kernel, which splits K among
     a block's warps, wins (N = 2048: 105 us against 91 at M = 64)."""
+    guess = GUESS if guess is None else guess
     m_rows = m_rows_for(m)
-    min_n = tile_min_n()
+    min_n = tile_min_n(guess)
     if m_rows not in min_n or n < min_n[m_rows]:
         return None
     if m_rows == 32:
@@ -305,7 +310,7 @@ def tile_shape(m: int, n: int, sms: int) -> TileShape | None:
         rows, group, per_sm = 64, 4, 1
     else:
         rows, group, per_sm = 64, 2, 2
-    return TileShape(m_rows, rows, group, 2, min(-(-n // rows), per_sm * sms), GUESS)
+    return TileShape(m_rows, rows, group, 2, min(-(-n // rows), per_sm * sms), guess)
 
 
 class ClusterShape(NamedTuple):
@@ -343,32 +348,35 @@ def cluster_shape(m: int, k: int, budget: int = CLUSTER_CTA_BYTES) -> ClusterSha
     return ClusterShape(m_rows, cluster, cap, 4 if cap >= 32 else 2 if cap >= 16 else 1)
 
 
-def uses_cluster(m: int, k: int, capability: tuple[int, int]) -> bool:
+def uses_cluster(m: int, k: int, capability: tuple[int, int],
+                 guess: bool | None = None) -> bool:
     """Whether the fused path runs `ClusterGemvFp32` (sm_90 up, M <= CLUSTER_M,
     CLUSTER_MIN_K <= K <= CLUSTER_MAX_K) rather than `SplitGemvFp32`."""
-    return (not GUESS and capability >= (9, 0) and m <= CLUSTER_M
+    guess = GUESS if guess is None else guess
+    return (not guess and capability >= (9, 0) and m <= CLUSTER_M
             and CLUSTER_MIN_K <= k <= CLUSTER_MAX_K
             and cluster_shape(m, k) is not None)
 
 
-def stream_shape(m: int, n: int, k: int, device: torch.device):
+def stream_shape(m: int, n: int, k: int, device: torch.device, guess: bool | None = None):
     """`launch_shape` for `device` (its SM count and one CTA's shared memory)."""
     limit = SMEM_LIMIT if _capability(device) >= (9, 0) else SM80_SMEM
-    return launch_shape(m, n, k, _sms(device), limit)
+    return launch_shape(m, n, k, _sms(device), limit, guess)
 
 
 @functools.lru_cache(maxsize=4096)
-def default_shape(m: int, n: int, k: int, device: torch.device):
+def default_shape(m: int, n: int, k: int, device: torch.device, guess: bool | None = None):
     """The kernel and launch `decode_gemm` runs an M x N x K problem with on `device`: a
     `ClusterShape` (`uses_cluster`), a `TileShape` (`tile_shape`, sm_90 only) or a
-    `StreamShape` (one lookup per call)."""
+    `StreamShape` (one lookup per call); `guess` False: the two-pass rules (default
+    `GUESS`)."""
     capability = _capability(device)
-    if uses_cluster(m, k, capability):
+    if uses_cluster(m, k, capability, guess):
         return cluster_shape(m, k)
     # The tile kernel's shapes were measured on sm_90 only (and take up to 177 KiB of shared
     # memory, more than some later GPUs give a CTA).
-    tile = tile_shape(m, n, _sms(device)) if capability[0] == 9 else None
-    return tile or stream_shape(m, n, k, device)
+    tile = tile_shape(m, n, _sms(device), guess) if capability[0] == 9 else None
+    return tile or stream_shape(m, n, k, device, guess)
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
@@ -383,10 +391,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    if shape is None:
-        shape = default_shape(m, n, k, a.device)
-    elif not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
-        shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
+    shape, guess = plan(m, n, k, b_nk, shape)
     inline = isinstance(shape, StreamShape) and shape.x_inline
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
@@ -407,7 +412,6 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         return y
     w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     if isinstance(shape, TileShape):
-        guess = guesses(b_nk) if shape.w_guess else None
         build = (*shape[:4], bias is not None, arch, guess is not None)
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
@@ -415,12 +419,30 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         if shape.x_fp32:  # X itself, 16-byte rows, as [M, chunks, 8, 4]
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
-        guess = guesses(b_nk) if shape.w_guess else None
         build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
                  shape.x_fp32, shape.x_inline, guess is not None)
         fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
     return y
+
+
+def plan(m: int, n: int, k: int, b_nk: torch.Tensor, shape=None):
+    """(kernel shape, guess buffer or None) for one call: `shape` forced (a plain tuple is
+    a `StreamShape`) or `default_shape`; a guessing shape gets the weight's buffer
+    (`guesses`), and where it has none the default becomes the two-pass rules' shape (a
+    forced one runs as given, taking the row maxima first)."""
+    if shape is None:
+        shape = default_shape(m, n, k, b_nk.device)
+        if isinstance(shape, ClusterShape) or not shape.w_guess:
+            return shape, None
+        guess = guesses(b_nk)
+        return (shape, guess) if guess is not None else \
+            (default_shape(m, n, k, b_nk.device, False), None)
+    if not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
+        shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
+    if isinstance(shape, ClusterShape) or not shape.w_guess:
+        return shape, None
+    return shape, guesses(b_nk)
 
 
 def guesses(b_nk: torch.Tensor) -> torch.Tensor | None:
@@ -522,7 +544,7 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 __all__ = ["fused", "covers", "max_m", "applies", "explain_note", "decode_gemm",
            "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
            "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "TILE_MIN_N_GUESS",
-           "tile_min_n", "guesses", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES", "m_rows_for",
+           "tile_min_n", "guesses", "plan", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES", "m_rows_for",
            "smem_bytes", "cluster_smem_bytes",
            "compile_kernel", "compile_cluster_kernel", "compile_tile_kernel", "TileShape",
            "tile_smem_bytes", "MAX_M", "SM80_MAX_M", "X_FP32_M", "X_INLINE_M",

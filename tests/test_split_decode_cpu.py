@@ -369,3 +369,60 @@ def test_gemm_routes_few_row_fp32_calls_to_the_fused_path(monkeypatch):
     with gemm.force_bucket("any"), pytest.raises(RuntimeError, match="table's kernels"):
         gemm._gemm_fp32(x, w, "nk", None, torch.float32, "fwd", None, None)
     assert len(calls) == 2
+
+
+@pytest.fixture
+def fresh_guesses(monkeypatch):
+    """An empty table of guess buffers (the module's own is process-wide)."""
+    monkeypatch.setattr(split_decode, "_GUESSES", {})
+    monkeypatch.setattr(split_decode, "_guess_bytes", 0)
+    return split_decode._GUESSES
+
+
+def test_guess_buffers_are_made_outside_capture_and_kept(fresh_guesses, monkeypatch):
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    w = torch.randn(300, 64)
+    assert split_decode.guesses(w) is None and not fresh_guesses  # none made under capture
+    capturing[0] = False
+    buf = split_decode.guesses(w)
+    assert buf.dtype == torch.int32 and buf.shape == (300,)
+    capturing[0] = True
+    assert split_decode.guesses(w) is buf  # a captured call keeps the buffer's address
+    assert split_decode.guesses(w[:100]) is None  # another shape: another key
+    capturing[0] = False
+    assert split_decode.guesses(w[:100]) is not buf
+    assert split_decode.guesses(w[:, 32:]) is not buf  # another address
+    assert len(fresh_guesses) == 3
+    monkeypatch.setattr(split_decode, "GUESS_CAP_BYTES", split_decode._guess_bytes + 4 * 299)
+    assert split_decode.guesses(torch.randn(300, 64)) is None  # over the cap
+    assert split_decode.guesses(w) is buf  # held buffers still serve
+
+
+def test_a_call_without_a_guess_buffer_takes_the_two_pass_rules(fresh_guesses, monkeypatch):
+    monkeypatch.setattr(split_decode, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(split_decode, "_sms", lambda device: 132)
+    monkeypatch.setattr(split_decode, "GUESS", True)
+    split_decode.default_shape.cache_clear()
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    try:
+        for m, n, k in [(1, 4096, 14336), (20, 8192, 256), (64, 4096, 256), (16, 4096, 256)]:
+            w = torch.randn(n, k)
+            guessing = split_decode.default_shape(m, n, k, w.device)
+            two_pass = split_decode.default_shape(m, n, k, w.device, False)
+            assert guessing.w_guess and not getattr(two_pass, "w_guess", False)
+            capturing[0] = True
+            assert split_decode.plan(m, n, k, w) == (two_pass, None)
+            assert split_decode.plan(m, n, k, w, guessing) == (guessing, None)  # as given
+            capturing[0] = False
+            shape, buf = split_decode.plan(m, n, k, w)
+            assert shape == guessing and buf is split_decode.guesses(w)
+        # the two-pass rules: the cluster kernel at one row of X and K 8192..16384, the tile
+        # kernel from 17 rows of X at N >= 8192
+        assert isinstance(split_decode.default_shape(1, 4096, 14336, w.device, False),
+                          split_decode.ClusterShape)
+        assert isinstance(split_decode.default_shape(20, 8192, 256, w.device, False),
+                          split_decode.TileShape)
+    finally:
+        split_decode.default_shape.cache_clear()

@@ -17,7 +17,13 @@ round is the 8 * G chunks of 32 values of K that the CTA's warps take together):
    takes the integer maximum of |x|'s bits per row (a NaN dominates, as in
    `SplitFp16Parts`), and writes the row scale 2^(13 - floor(log2 max|x|)) (clamped to
    [2^-126, 2^127]) and its reciprocal to shared memory. The copies of step 1 and of the
-   rounds below read the lines this pass brought into L2: W comes from DRAM once.
+   rounds below read the lines this pass brought into L2 (at K >= 8192 mostly from DRAM
+   again). With `w_guess` there is no such pass: the scales are the rows' guesses
+   (`mGuess`: the weight's scales from its last call), each thread keeps the maximum of the
+   |w| bits it splits in step 3, and after the block `_check_guess` takes each row's scale
+   from those maxima; a row whose guess was wrong takes that scale (shared memory and
+   mGuess) and the block runs again from step 1. The bits are always those of the rows'
+   own scales; W is read once where the guesses were right.
 3. Rounds: wait for round r's stage and refill the oldest with round r + stages - 1; warp
    w takes the G chunks starting at (r * 8 + w) * G. Per chunk and n8 block of rows each
    thread scales and splits its 8 values of W into the B fragments of the chunk's six
