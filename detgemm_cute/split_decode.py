@@ -228,8 +228,8 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM,
     With guessed W scales (`GUESS`), up to 16 rows of X take `GUESS_SHAPES` (`--sweep guess`:
     11 shapes on the first 10 weights; at M = 16, 16 rows of W and 4 stages ran 1.29x the
     speed of 8 rows and 2 stages, 1.13-1.35x per problem; at M = 1..8, 1.01-1.04x), but
-    8 rows of W where 16-row blocks leave SMs idle, as above (N = 1024: 20.3 us against
-    16.5)."""
+    8 rows of W where 16-row blocks leave SMs idle, as above (M = 16, N = 1024: 20.3 us
+    with 16 rows, 16.5 with 8 in an earlier run of the same session)."""
     guess = GUESS if guess is None else guess
     m_rows = m_rows_for(m)
     if guess and m_rows in GUESS_SHAPES:
