@@ -266,10 +266,7 @@ class SplitGemvFp32:
         """A block's start with `w_guess`: the first stages - 1 rounds' copies go out, and
         the rows' guessed scales (mGuess, as bits: any value; a wrong one costs a second
         attempt, never a bit) and their reciprocals go to shared memory; then a barrier."""
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if s < rounds:
-                self._copy_round(*copy, s, s, tidx)
-            cute.arch.cp_async_commit_group()
+        self._prime_ring(copy, rounds, tidx)
         n0, n_total = copy[6], copy[7]
         if tidx == 0:
             s_flag[0] = 1
@@ -309,10 +306,7 @@ class SplitGemvFp32:
         if s_flag[0] != 0:
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            for s in cutlass.range_constexpr(self.stages - 1):
-                if s < rounds:
-                    self._copy_round(*copy, s, s, tidx)
-                cute.arch.cp_async_commit_group()
+            self._prime_ring(copy, rounds, tidx)
 
     @cute.jit
     def _warp_tops(self, tops: cute.Tensor, s_tops: cute.Tensor, warp, lane):
@@ -342,15 +336,21 @@ class SplitGemvFp32:
         leading arguments) go out before the row maxima (THREADS / rows threads per row),
         which bring the same lines into L2; then the maxima, W's scales in shared memory,
         and a barrier."""
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if s < rounds:
-                self._copy_round(*copy, s, s, tidx)
-            cute.arch.cp_async_commit_group()
+        self._prime_ring(copy, rounds, tidx)
         per_row = THREADS // self.rows
         top = self._row_max(mWbits, copy[6] + tidx // per_row, copy[7], tidx % per_row,
                             per_row, cute.size(mWbits, mode=[1]))
         self._write_scale(top, s_scale, s_inv, s_tops, tidx)
         cute.arch.sync_threads()
+
+    @cute.jit
+    def _prime_ring(self, copy, rounds, tidx):
+        """Step 1: the first stages - 1 rounds' copies (`copy`: `_copy_round`'s leading
+        arguments), one commit group each."""
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < rounds:
+                self._copy_round(*copy, s, s, tidx)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _open_round(self, copy, r, rounds, tidx):
