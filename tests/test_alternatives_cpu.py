@@ -253,12 +253,11 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
     # and dx_mid_narrow alternatives before, and fwd_cluster_pool.yaml's) timed on every other
     # problem of bench/shapes/fwd_small.txt and fwd_mid.txt after the cluster ragged-tail fix
     ("small", ("tune_dx_pool",), (129, 511), (1, None), 16, 6, True, ("dx",)),
-    # the forward at 129..511 rows: the 44 kernels of bench/shapes/fwd_small_pool{,2}.yaml
-    # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
-    # bench/shapes/fwd_small.txt (clusters after the phantom-tile change), all 59 on
-    # fwd_small_m256.txt
-    ("small", ("tune_fwd_small", "tune_fwd_cluster", "tune_fwd_small_m256"), (129, 511),
-     (1, None), 16, 6, True, ("fwd",)),
+    # the forward at 129..511 rows: the 41 kernels of bench/shapes/fwd_small_odd8_pool.yaml
+    # (the alternatives before and widths that are odd multiples of 8) timed on every problem
+    # of bench/shapes/fwd_small.txt and fwd_small_m256.txt
+    ("small", ("tune_fwd_small_odd8", "tune_fwd_small_m256_odd8"), (129, 511), (1, None), 16,
+     6, True, ("fwd",)),
     # the forward's wide outputs at M 512..767: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
     # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
     # bench/shapes/fwd_mid.txt, all 49 on fwd_mid_m512.txt
@@ -266,7 +265,12 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
      (2305, None), 12, 6, True, ("fwd",)),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
-    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
+    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("dx",)),
+    # the forward's wide outputs at M 768..1535: the 48 kernels of
+    # bench/shapes/fwd_mid_odd8_pool.yaml timed on every problem of bench/shapes/fwd_mid.txt
+    # and fwd_mid_m512.txt
+    ("mid", ("tune_fwd_mid_odd8", "tune_fwd_mid_m512_odd8"), (768, 1535), (2305, None), 16, 6,
+     True, ("fwd",)),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
     ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),

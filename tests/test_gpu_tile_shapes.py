@@ -1,6 +1,7 @@
-"""Every SM90 tile shape the limits allow gives the same bits: row tiles (BM 8/16/32) and the
-odd WGMMA widths (BN 48, 80, 96, 112, 160, 224), forced through a user layer onto problems
-whose M, N and K cut through their tiles, against the built-in table's bits.
+"""Every SM90 tile shape the limits allow gives the same bits: row tiles (BM 8/16/32), the
+odd WGMMA widths (BN 48, 80, 96, 112, 160, 224) and the odd multiples of 8 (88..200), forced
+through a user layer onto problems whose M, N and K cut through their tiles, against the
+built-in table's bits.
 
 Row tiles load only BM rows of A per stage, the stages BM rows apart, and WGMMA's other
 64 - BM rows of a stage are the next stages' rows (or the buffer's slack): a bug there (a
@@ -81,7 +82,18 @@ CLUSTER8 = [
     ((64, 64, 64), 12, True, (4, 2), False, True),
     ((128, 64, 64), 8, False, (2, 4), False, False),
 ]
-ALL = TILES + PINGPONG + SWAPPED + WIDE + CLUSTER8
+# Widths that are odd multiples of 8 (an 8-column epilogue sub-tile, stored with stmatrix
+# .x2): swapped or not, one or two warpgroups, ping-pong, 256 rows, clusters.
+ODD8 = [
+    ((64, 104, 128), 5, True, (1, 2), False, True),
+    ((128, 152, 64), 6, True, (2, 1), False, False),
+    ((64, 88, 128), 5, True, (1, 1), False, False),
+    ((128, 120, 64), 7, False, (1, 1), False, True),
+    ((256, 136, 64), 4, True, (1, 1), False, True),
+    ((128, 120, 64), 6, True, (1, 1), True, False),
+    ((64, 200, 64), 6, True, (1, 2), False, True),
+]
+ALL = TILES + PINGPONG + SWAPPED + WIDE + CLUSTER8 + ODD8
 _FAR = 10**12  # an M no call reaches: the buckets are used only when forced
 
 
@@ -193,7 +205,7 @@ def _check_fwd_forms(spec, m, n, k):
     return w, dy
 
 
-MANY = PINGPONG + SWAPPED + WIDE + CLUSTER8
+MANY = PINGPONG + SWAPPED + WIDE + CLUSTER8 + ODD8
 
 
 @pytest.mark.parametrize("spec", MANY, ids=[_name(*t) for t in MANY])
@@ -267,9 +279,10 @@ def test_persistent_grids_fit_the_gpu_s_co_resident_clusters():
 
 
 # One spec per kernel class with BM >= 64: one tile per CTA, persistent, swapped, 256 rows,
-# clusters of four and eight; ping-pong (plain and swapped), which keeps the padded rows.
+# clusters of four and eight, odd multiples of 8 wide; ping-pong (plain and swapped), which
+# keeps the padded rows.
 DIRECT = [TILES[8], TILES[11], PINGPONG[0], SWAPPED[1], SWAPPED[2], WIDE[0], WIDE[4],
-          CLUSTER8[0], CLUSTER8[4]]
+          CLUSTER8[0], CLUSTER8[4], ODD8[0], ODD8[1]]
 
 
 @pytest.mark.parametrize("spec", DIRECT, ids=[_name(*t) for t in DIRECT])

@@ -67,6 +67,16 @@ class TilePlace(NamedTuple):
     k_last: Any = None
 
 
+def _stage(staged):
+    """One stage of a staged smem layout. A swizzled (composed) layout is rebuilt from its
+    outer layout's slice: the DSL (4.8.1) aborts slicing the composed layout itself when its
+    swizzle atoms along a mode are odd in number (BN = 104 = 13 atoms of 8 rows)."""
+    if isinstance(staged, cute.ComposedLayout):
+        return cute.make_composed_layout(staged.inner, 0,
+                                         cute.slice_(staged.outer, (None, None, 0)))
+    return cute.slice_(staged, (None, None, 0))
+
+
 class Sm90Base(EpilogueStores):
     """Host-side setup and device helpers shared by both SM90 kernels.
 
@@ -203,11 +213,10 @@ class Sm90Base(EpilogueStores):
         epi_store = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.store_tile, self.epi_stage)
         # Bytes TMA writes into one stage (the full barrier's transaction count).
-        self.tma_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        self.tma_bytes = cute.size_in_bytes(self.b_dtype, _stage(b_smem))
         tma_atom_a, tma_a = None, mA  # a_loads: the threads read A itself
         if cutlass.const_expr(not self.a_loads):
-            self.tma_bytes += cute.size_in_bytes(self.a_dtype,
-                                                 cute.slice_(a_load, (None, None, 0)))
+            self.tma_bytes += cute.size_in_bytes(self.a_dtype, _stage(a_load))
             tma_atom_a, tma_a = self._tma_load(mA, a_load, (bm, bk), self.cluster_shape_mn[1])
         tma_atom_b, tma_b = self._tma_load(mB, b_smem, (bn, bk), self.cluster_shape_mn[0])
         tma_atom_c, tma_c = None, mC
@@ -276,7 +285,7 @@ class Sm90Base(EpilogueStores):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
               else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), smem_tile,
+            op, tensor, _stage(smem_layout_staged), smem_tile,
             num_multicast=mcast)
 
     # ------------------------------------------------------- device-side helpers

@@ -16,7 +16,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 
 EPILOGUE_BARRIER = 1  # named barrier of one tile's epilogue threads (0 is __syncthreads)
 
@@ -77,10 +76,13 @@ class EpilogueStores:
     def _staging(self, acc, tiled_mma, mma_tidx, sC):
         """The register-to-shared copy of the epilogue: (tiled copy, this thread's share of
         sC's buffers, its accumulators retiled, fp32 and output-dtype sub-tile fragments)."""
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        # stmatrix .x4 covers 16 columns of a warp's rows, .x2 eight: an 8-column sub-tile
+        # (BN an odd multiple of 8) takes .x2, or its copy would span two sub-tiles.
+        matrices = 2 if self.epi_tile[1] == 8 else 4
+        stmatrix = cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), matrices)
+        copy_atom_r2s = cute.make_copy_atom(
+            stmatrix if self.c_dtype.width == 16 else cute.nvgpu.CopyUniversalOp(), self.c_dtype)
+        copy_atom_c = cute.make_copy_atom(stmatrix, self.c_dtype)
         tiled_copy_r2s = cute.make_tiled_copy_S(
             copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)

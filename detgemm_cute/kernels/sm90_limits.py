@@ -26,7 +26,8 @@ WIDE_TILE_N_MAX = 192
 # The odd multiples of 8 cuBLAS runs (88, 104, 152, 168) do not build: the DSL (4.8.1)
 # aborts slicing a stage of 128-byte swizzle atoms whose count along the tile is odd
 # (104 x 64 and 104 x 128 do, 112 x 64 and 8 x 128 slice; 2026-11-27).
-TILE_N = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+TILE_N = (16, 32, 48, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184,
+          192, 200, 208, 216, 224, 232, 240, 248, 256)
 TILE_K = (64, 128)
 # The fp32 tier (split.py: 16-bit parts, chunked chain): a k tile is one chunk of six 16-wide
 # steps (one 32-wide block of the original K in fwd/dX, one 16-wide block in dW); BK is
@@ -86,7 +87,7 @@ def epilogue_tile(tile_m: int, tile_n: int, chunked: bool = False,
     two = warpgroups(tile_m, tile_n, chunked, pingpong) == 2
     rows = min(128, m) if two else min(64, m)
     wide = (32 * direct_vector, 16 * direct_vector) if direct_vector > 1 else ()
-    cols = next(c for c in (*wide, 32, 16) if tile_n % c == 0)
+    cols = next(c for c in (*wide, 32, 16, 8) if tile_n % c == 0)
     return rows, cols
 
 
