@@ -329,6 +329,11 @@ def _check_kernel(values, key_lines, line, label, limits, probs: _Problems):
     if values["swap_ab"] is True and values["op"] not in SWAP_OPS:
         probs.add(key_lines.get("swap_ab", line), f"op {values['op']} does not swap operands; "
                   f"swap_ab serves {', '.join(SWAP_OPS)}", label, "swap_ab")
+    odd_ops = getattr(limits, "ODD_WIDTH_OPS", None)
+    if odd_ops and values["tile"][1] % 16 and values["op"] not in odd_ops:
+        probs.add(key_lines.get("tile", line), f"BN {values['tile'][1]} (an odd multiple of 8) "
+                  f"serves {', '.join(odd_ops)}; op {values['op']} takes a multiple of 16",
+                  label, "tile")
     if values["op"] in GROUPED_OPS:
         for field, msg in _grouped_problems(values, limits):
             probs.add(key_lines.get(field, line), msg, label, field)

@@ -265,12 +265,7 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
      (2305, None), 12, 6, True, ("fwd",)),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
-    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("dx",)),
-    # the forward's wide outputs at M 768..1535: the 48 kernels of
-    # bench/shapes/fwd_mid_odd8_pool.yaml timed on every problem of bench/shapes/fwd_mid.txt
-    # and fwd_mid_m512.txt
-    ("mid", ("tune_fwd_mid_odd8", "tune_fwd_mid_m512_odd8"), (768, 1535), (2305, None), 16, 6,
-     True, ("fwd",)),
+    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
     ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),

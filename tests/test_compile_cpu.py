@@ -307,3 +307,31 @@ def test_operands_contiguous_in_m_or_n_are_staged_in_their_own_layout():
     assert padded_staging(torch.randn(1, 333).to(bf).t(), 1) is None  # one column
     overlapping = torch.randn(400).to(bf).as_strided((333, 4), (1, 2))
     assert padded_staging(overlapping, 1) is None
+
+
+@pytest.mark.parametrize("tile, cluster, swap, out_dtype", [
+    ((64, 104, 128), (1, 2), True, "bf16"), ((128, 152, 64), (2, 1), False, "bf16"),
+    ((64, 88, 128), (1, 1), False, "fp32")])
+def test_odd_multiple_of_8_widths_store_8_column_sub_tiles(tmp_path, tile, cluster, swap,
+                                                          out_dtype):
+    """A width that is an odd multiple of 8 builds (its stages sliced from the outer layout)
+    and stages its epilogue in 8-column sub-tiles: stmatrix .x2 for 16-bit outputs (an .x4
+    copy would span two sub-tiles), none for fp32; a multiple of 16 keeps .x4."""
+    import re
+
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.kernels import sm90_limits
+
+    assert sm90_limits.epilogue_tile(tile[0], tile[1])[1] == 8
+    assert sm90_limits.epilogue_tile(tile[0], tile[1] + 8)[1] in (16, 32)
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=4, persistent=True,
+                             pingpong=False, dtype="bf16", out_dtype=out_dtype, a_major="k",
+                             b_form="nk", b_contig="last", has_bias=True, arch="sm_90a",
+                             swap_ab=swap)
+    ptx = _audited_ptx(key, tmp_path)
+    got = set(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.(x\d)", ptx))
+    assert got == ({"x2"} if out_dtype == "bf16" else set()), got
+    wide = kcompile.KernelKey(**{**key.__dict__, "tile": (tile[0], tile[1] + 8, tile[2]),
+                                 "out_dtype": "bf16"})
+    assert set(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.(x\d)",
+                          _audited_ptx(wide, tmp_path))) == {"x4"}

@@ -11,6 +11,7 @@ of user mistakes (tests/test_cli.py)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -244,8 +245,11 @@ def test_stages_at_the_shared_memory_boundary(tmp_path, capsys, tile):
 
 
 @pytest.mark.parametrize("tile, stages, words", [
-    ("[64, 40, 64]", 4, "field 'tile': tile N must be one of (16, 32, 48, 64, 80, 96, 112, 128, "
-                        "144, 160, 176, 192, 208, 224, 240, 256), got 40"),
+    ("[64, 40, 64]", 4, "field 'tile': tile N must be one of (16, 32, 48, 64, 72, 80, 88, 96, "
+                        "104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, "
+                        "216, 224, 232, 240, 248, 256), got 40"),
+    ("[32, 72, 128]", 4, "field 'tile': BN 72 (an odd multiple of 8) needs 16-bit operands and "
+                         "BM >= 64"),
     ("[64, 64, 32]", 4, "field 'tile': tile K must be one of (64, 128), got 32"),
     ("[8, 16, 128]", 4, "field 'tile': a BM 8 row tile needs BN a multiple of 32, got 16"),
     ("[64, 64, 64]", 1, "field 'stages': stages must be in [2, 16], got 1"),
@@ -315,6 +319,23 @@ def test_grouped_bucket_rules(tmp_path, op, tile, extra, words):
     with pytest.raises(R.ConfigError, match="bucket 'g': " + words):
         R.add_config(path)
     assert R.user_configs() == ()
+
+
+@pytest.mark.parametrize("op, dtypes, words", [
+    ("grouped", "[bf16]", "field 'tile': BN 104 (an odd multiple of 8) serves fwd, dx, dw; op "
+                          "grouped takes a multiple of 16"),
+    ("bmm", "[bf16]", "field 'tile': BN 104 (an odd multiple of 8) serves fwd, dx, dw; op bmm"),
+    ("fwd", "[tf32]", "field 'tile': BN 104 (an odd multiple of 8) needs 16-bit operands"),
+])
+def test_odd_multiple_of_8_widths_serve_the_16_bit_gemms_only(tmp_path, op, dtypes, words):
+    extra = "    persistent: true\n"
+    tile = "[128, 104, 32]" if dtypes == "[tf32]" else "[128, 104, 64]"
+    text = _grouped(extra, op=op, tile=tile).replace("[bf16]", dtypes)
+    with pytest.raises(R.ConfigError, match=re.escape("bucket 'g': " + words)):
+        R.add_config(_make(tmp_path, "odd.yaml", text))
+    ok = _make(tmp_path, "ok.yaml", _grouped(extra, op="dx", tile="[128, 104, 64]"))
+    R.add_config(ok)
+    assert D.bucket_by_name("sm90", "g").tile == (128, 104, 64)
 
 
 def test_grouped_bucket_in_a_family_without_the_kernel(tmp_path):

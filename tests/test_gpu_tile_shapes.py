@@ -102,6 +102,12 @@ def _name(tile, stages, persistent, cluster, pingpong, swap_ab):
             f"{'p' if pingpong else ''}_c{cluster[0]}x{cluster[1]}{'_sw' if swap_ab else ''}")
 
 
+def _serves_bmm(spec) -> bool:
+    """Specs the layer also declares as bmm buckets: ping-pong, 256-row and cluster tiles that
+    do not swap operands (swapped buckets do not serve bmm)."""
+    return (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]
+
+
 def _bucket_lines(name, op, m, spec, **extra) -> list[str]:
     """YAML lines of one bucket serving only M = m with the kernel of `spec`."""
     tile, stages, persistent, cluster, pingpong, swap_ab = spec
@@ -117,8 +123,7 @@ def _bucket_lines(name, op, m, spec, **extra) -> list[str]:
 def layer_file(tmp_path_factory):
     lines = ["arch: sm90", "buckets:"]
     for i, spec in enumerate(ALL):
-        bmm = (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]
-        for op in ("fwd", "dx", "dw") + (("bmm",) if bmm else ()):
+        for op in ("fwd", "dx", "dw") + (("bmm",) if _serves_bmm(spec) else ()):
             lines += _bucket_lines(f"{op}_{_name(*spec)}", op, _FAR + i, spec)
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -226,7 +231,7 @@ def test_many_tiles_per_cta(forced_layer, spec):
         want = grads.weight_grad(dy, x, acc=acc0.clone())
         got = _forced("dw", spec, lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
         assert same_bits(got, want), (m, n, k)
-    if spec[5]:  # swapped buckets do not serve bmm
+    if not _serves_bmm(spec):
         return
     # A batch: the tile index's L coordinate walks entries; every entry as if alone.
     a, bt = rand(6, 300, 520), rand(6, 520, 700)
@@ -298,7 +303,7 @@ def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
         w_odd = rand(n, 333)  # dX [m, 333]
         got = _forced("dx", spec, lambda: grads.input_grad(dy, w_odd))
         assert same_bits(got.cpu(), reference.mm(dy.cpu(), w_odd.cpu())), (m, n)
-    if (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]:  # bmm buckets
+    if _serves_bmm(spec):
         q, kt = rand(5, 333, 64), rand(5, 333, 64).transpose(1, 2)
         got = _forced("bmm", spec, lambda: dg.bmm(q, kt))
         for i in range(5):

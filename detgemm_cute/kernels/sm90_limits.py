@@ -20,15 +20,19 @@ TILE_M = (8, 16, 32, 64, 128, 256)
 # registers a consumer gets, BN 208 spilled (ptxas, 2026-11-25). 16-bit operands only.
 WIDE_TILE_M = 256
 WIDE_TILE_N_MAX = 192
-# Multiples of 16 WGMMA takes (n16..n256) whose epilogue sub-tile (32 or 16 columns) divides
-# them; the odd widths exist for wave quantization (e.g. 160: 32 N tiles at N=5120). BN 8
-# (an 8-column epilogue sub-tile) compiled but stored wrong bits on the H100 (2026-11-23).
-# The odd multiples of 8 cuBLAS runs (88, 104, 152, 168) do not build: the DSL (4.8.1)
-# aborts slicing a stage of 128-byte swizzle atoms whose count along the tile is odd
-# (104 x 64 and 104 x 128 do, 112 x 64 and 8 x 128 slice; 2026-11-27).
+# Widths WGMMA takes (n16..n256) for wave quantization (e.g. 160: 32 N tiles at N=5120): the
+# multiples of 16 and, from 72 up, the odd multiples of 8 cuBLAS also runs (88, 104, 152, ...).
+# An odd count of 8-row swizzle atoms is sliced per stage from the outer layout
+# (`sm90_base._stage`: the DSL 4.8.1 aborts slicing such a composed layout), and the epilogue
+# takes 8-column sub-tiles stored with stmatrix .x2 (an .x4 copy spans 16 columns: the cause of
+# the wrong bits BN 8 stored on the H100, 2026-11-23). Checked on an H100 (2026-11-28,
+# tests/test_gpu_tile_shapes.py `ODD8`; bench/results/fwd-odd8-ab_*).
 TILE_N = (16, 32, 48, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184,
           192, 200, 208, 216, 224, 232, 240, 248, 256)
 TILE_K = (64, 128)
+# The ops an odd-multiple-of-8 width serves (the GEMM kernels the GPU tests checked with them;
+# bmm and the grouped kernels keep multiples of 16), on 16-bit operands and BM >= 64.
+ODD_WIDTH_OPS = ("fwd", "dx", "dw")
 # The fp32 tier (split.py: 16-bit parts, chunked chain): a k tile is one chunk of six 16-wide
 # steps (one 32-wide block of the original K in fwd/dX, one 16-wide block in dW); BK is
 # fixed because it is part of the bits.
@@ -162,6 +166,9 @@ def check_config(tile, cluster, stages, persistent, dtypes=(), pingpong=False,
         if tf32:
             problems.append(("tile", f"BM {WIDE_TILE_M} is for 16-bit operands; tf32 buckets "
                                      f"take BM <= 128"))
+    if not problems and tile[1] % 16 and (split or tf32 or tile[0] < 64):
+        problems.append(("tile", f"BN {tile[1]} (an odd multiple of 8) needs 16-bit operands "
+                                 f"and BM >= 64; use a multiple of 16"))
     if not problems and tile[0] == 8 and tile[1] % 32:
         # Measured on an H100 (2026-11-23): BM 8 with a 16-column epilogue sub-tile stored
         # wrong rows once a problem had more than one row tile; BM 16/32 and BN % 32 == 0

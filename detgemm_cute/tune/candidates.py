@@ -51,6 +51,7 @@ How the list is built, for a GEMM of M rows, N columns and reduction K on a GPU 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -141,12 +142,10 @@ class Space:
 
     def max_stages(self, tile, extra=()) -> int:
         """The most stages that fit; `extra` options the limits' max_stages takes count."""
-        if extra:
-            try:
-                return self.limits.max_stages(tuple(tile), **dict(extra))
-            except TypeError:  # options that do not change shared memory
-                pass
-        return self.limits.max_stages(tuple(tile))
+        takes = inspect.signature(self.limits.max_stages).parameters
+        # options that do not change shared memory (swap_ab, raster_n) are not passed
+        return self.limits.max_stages(tuple(tile),
+                                      **{k: v for k, v in extra if k in takes})
 
     def stages_for_ctas(self, tile, ctas: int, machine: Machine) -> int:
         """The most stages with which `ctas` CTAs fit in one SM's shared memory (or 0)."""
