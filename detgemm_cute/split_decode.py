@@ -431,18 +431,17 @@ def plan(m: int, n: int, k: int, b_nk: torch.Tensor, shape=None):
     a `StreamShape`) or `default_shape`; a guessing shape gets the weight's buffer
     (`guesses`), and where it has none the default becomes the two-pass rules' shape (a
     forced one runs as given, taking the row maxima first)."""
-    if shape is None:
+    forced = shape is not None
+    if not forced:
         shape = default_shape(m, n, k, b_nk.device)
-        if isinstance(shape, ClusterShape) or not shape.w_guess:
-            return shape, None
-        guess = guesses(b_nk)
-        return (shape, guess) if guess is not None else \
-            (default_shape(m, n, k, b_nk.device, False), None)
-    if not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
+    elif not isinstance(shape, (ClusterShape, TileShape, StreamShape)):
         shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
     if isinstance(shape, ClusterShape) or not shape.w_guess:
         return shape, None
-    return shape, guesses(b_nk)
+    guess = guesses(b_nk)
+    if guess is None and not forced:
+        return default_shape(m, n, k, b_nk.device, False), None
+    return shape, guess
 
 
 def guesses(b_nk: torch.Tensor) -> torch.Tensor | None:
