@@ -279,9 +279,9 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
     # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
     # every problem of bench/shapes/dw_small.txt
     ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",)),
-    # the forward at 65..128 rows: the 17 kernels of bench/shapes/fwd_m65_128_pool.yaml timed
-    # on every problem of bench/shapes/fwd_m65_128.txt
-    ("m65_128", ("tune_fwd_m65_128",), (65, 128), (1, None), 8, 6, True, ("fwd",)),
+    # the forward at 65..128 rows: the 71 kernels of bench/shapes/fwd_m65_128_odd8_pool.yaml
+    # timed on every problem of bench/shapes/fwd_m65_128.txt and fwd_m65_128_heldout.txt
+    ("m65_128", ("tune_fwd_m65_128_odd8",), (65, 128), (1, None), 12, 6, True, ("fwd",)),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,

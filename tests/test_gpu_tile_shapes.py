@@ -25,108 +25,14 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import detgemm_cute as dg  # noqa: E402
 from detgemm_cute import gemm, grads, reference, registry  # noqa: E402
 from gpu_helpers import poison, rand, same_bits  # noqa: E402
-
-# (tile, stages, persistent, cluster, pingpong, swap_ab)
-TILES = [
-    ((16, 16, 128), 16, True, (1, 1), False, False),
-    ((8, 64, 128), 10, True, (1, 1), False, False),
-    ((8, 32, 128), 16, True, (1, 2), False, False),
-    ((16, 32, 128), 16, False, (1, 1), False, False),
-    ((16, 48, 128), 12, True, (1, 1), False, False),
-    ((32, 64, 64), 16, True, (1, 1), False, False),
-    ((32, 80, 128), 7, False, (1, 1), False, False),
-    ((64, 96, 64), 8, True, (1, 1), False, False),
-    ((64, 112, 64), 8, False, (1, 1), False, False),
-    ((128, 160, 64), 4, True, (1, 1), False, False),
-    ((128, 224, 64), 3, True, (1, 1), False, False),
-    ((128, 96, 64), 6, False, (2, 1), False, False),
-    ((16, 128, 128), 5, True, (1, 1), False, False),
-    ((32, 32, 128), 2, True, (1, 1), False, False),
-]
-# Ping-pong: two consumer warpgroups on alternate tiles of a CTA, one warpgroup per tile.
-PINGPONG = [
-    ((128, 192, 64), 5, True, (1, 1), True, False),
-    ((128, 160, 64), 5, True, (2, 1), True, False),
-    ((128, 128, 64), 6, True, (1, 2), True, False),
-    ((64, 256, 64), 5, True, (1, 1), True, False),
-    ((64, 128, 128), 4, True, (2, 1), True, False),
-]
-# Swapped operands: the kernel computes C^T = op(B)^T A^T into a transposed view of the
-# output (M-major C, bias along the kernel's rows); plain, persistent and ping-pong kernels.
-SWAPPED = [
-    ((128, 256, 64), 4, True, (1, 2), False, True),
-    ((128, 160, 64), 5, True, (2, 1), True, True),
-    ((64, 112, 128), 4, False, (1, 1), False, True),
-    ((128, 128, 64), 6, False, (2, 1), False, True),
-    ((64, 256, 64), 5, True, (1, 1), True, True),
-]
-# 256-row tiles (two consumer warpgroups of 128 rows) and clusters of four CTAs (the shared
-# operand multicast to 2 x 2, 4 x 1 or 1 x 4 CTAs), plain, persistent, ping-pong, swapped.
-WIDE = [
-    ((256, 128, 64), 4, True, (1, 1), False, False),
-    ((256, 192, 64), 3, False, (1, 2), False, False),
-    ((256, 144, 64), 4, True, (2, 1), False, True),
-    ((256, 160, 64), 3, True, (1, 4), False, False),
-    ((128, 128, 64), 6, True, (2, 2), False, False),
-    ((128, 96, 64), 7, False, (1, 4), False, False),
-    ((64, 208, 64), 6, True, (4, 1), False, True),
-    ((128, 160, 64), 5, True, (2, 2), True, False),
-    ((128, 224, 64), 4, False, (4, 1), False, True),
-]
-# Clusters of eight CTAs (4 x 2, 2 x 4: A multicast to two CTAs and B to four, or the other
-# way round), deep stage rings, swapped or not, persistent or one tile per CTA.
-CLUSTER8 = [
-    ((64, 128, 64), 8, True, (4, 2), False, True),
-    ((64, 128, 64), 8, True, (4, 2), False, False),
-    ((64, 64, 64), 12, True, (2, 4), False, False),
-    ((64, 64, 64), 12, True, (4, 2), False, True),
-    ((128, 64, 64), 8, False, (2, 4), False, False),
-]
-# Widths that are odd multiples of 8 (an 8-column epilogue sub-tile, stored with stmatrix
-# .x2): swapped or not, one or two warpgroups, ping-pong, 256 rows, clusters.
-ODD8 = [
-    ((64, 104, 128), 5, True, (1, 2), False, True),
-    ((128, 152, 64), 6, True, (2, 1), False, False),
-    ((64, 88, 128), 5, True, (1, 1), False, False),
-    ((128, 120, 64), 7, False, (1, 1), False, True),
-    ((256, 136, 64), 4, True, (1, 1), False, True),
-    ((128, 120, 64), 6, True, (1, 1), True, False),
-    ((64, 200, 64), 6, True, (1, 2), False, True),
-]
-ALL = TILES + PINGPONG + SWAPPED + WIDE + CLUSTER8 + ODD8
-_FAR = 10**12  # an M no call reaches: the buckets are used only when forced
-
-
-def _name(tile, stages, persistent, cluster, pingpong, swap_ab):
-    return (f"shape_{'x'.join(map(str, tile))}_s{stages}{'_p' if persistent else ''}"
-            f"{'p' if pingpong else ''}_c{cluster[0]}x{cluster[1]}{'_sw' if swap_ab else ''}")
-
-
-def _serves_bmm(spec) -> bool:
-    """Specs the layer also declares as bmm buckets: ping-pong, 256-row and cluster tiles that
-    do not swap operands (swapped buckets do not serve bmm)."""
-    return (spec[4] or spec in WIDE or spec in CLUSTER8) and not spec[5]
-
-
-def _bucket_lines(name, op, m, spec, **extra) -> list[str]:
-    """YAML lines of one bucket serving only M = m with the kernel of `spec`."""
-    tile, stages, persistent, cluster, pingpong, swap_ab = spec
-    fields = dict(tile=list(tile), cluster=list(cluster), stages=stages,
-                  persistent=persistent, pingpong=pingpong, swap_ab=swap_ab, **extra)
-    return ([f"  - name: {name}", f"    op: {op}", "    dtypes: [bf16, fp16]",
-             f"    m: [{m}, {m}]"]
-            + [f"    {k}: {str(v).lower() if isinstance(v, bool) else v}"
-               for k, v in fields.items()])
+from tile_specs import (ALL, DIRECT, FAR, MANY, bucket_lines, layer_text, name,  # noqa: E402
+                        serves_bmm)
 
 
 @pytest.fixture(scope="module")
 def layer_file(tmp_path_factory):
-    lines = ["arch: sm90", "buckets:"]
-    for i, spec in enumerate(ALL):
-        for op in ("fwd", "dx", "dw") + (("bmm",) if _serves_bmm(spec) else ()):
-            lines += _bucket_lines(f"{op}_{_name(*spec)}", op, _FAR + i, spec)
     path = tmp_path_factory.mktemp("tiles") / "tiles.yaml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(layer_text())
     return path
 
 
@@ -142,10 +48,10 @@ def _run_forced(name, fn):
 
 
 def _forced(op, spec, fn):
-    return _run_forced(f"{op}_{_name(*spec)}", fn)
+    return _run_forced(f"{op}_{name(*spec)}", fn)
 
 
-@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
+@pytest.mark.parametrize("spec", ALL, ids=[name(*t) for t in ALL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_bits(forced_layer, spec, dtype):
     for m, n, k in [(1, 1000, 4104), (5, 264, 1000), (13, 3000, 520), (64, 776, 2048),
@@ -162,7 +68,7 @@ def test_forward_bits(forced_layer, spec, dtype):
         assert same_bits(_forced("fwd", spec, lambda: dg.mm(xt, w.t())), dg.mm(xt, w.t()))
 
 
-@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
+@pytest.mark.parametrize("spec", ALL, ids=[name(*t) for t in ALL])
 def test_backward_bits(forced_layer, spec):
     t, n, k = 48, 520, 264
     dy, w, x = rand(t, n), rand(n, k), rand(t, k)
@@ -183,7 +89,7 @@ def _ragged(tile, swap_ab):
             (2 * rows, cols + 9), (max(rows - 3, 1), 2 * cols + 7)]
 
 
-@pytest.mark.parametrize("spec", ALL, ids=[_name(*t) for t in ALL])
+@pytest.mark.parametrize("spec", ALL, ids=[name(*t) for t in ALL])
 def test_ragged_last_tiles_match_the_reference(forced_layer, spec):
     """fwd (with bias, bf16 and fp32 out, X as a transposed view) and dX on problems whose
     last tile along M, N or both is mostly empty, so it is moved back and overlaps the
@@ -210,10 +116,9 @@ def _check_fwd_forms(spec, m, n, k):
     return w, dy
 
 
-MANY = PINGPONG + SWAPPED + WIDE + CLUSTER8 + ODD8
 
 
-@pytest.mark.parametrize("spec", MANY, ids=[_name(*t) for t in MANY])
+@pytest.mark.parametrize("spec", MANY, ids=[name(*t) for t in MANY])
 def test_many_tiles_per_cta(forced_layer, spec):
     """Problems with several tiles per CTA, so both ping-pong consumer warpgroups run tiles
     and skip each other's stages (an odd and an even count per CTA, tails in M, N and K),
@@ -231,7 +136,7 @@ def test_many_tiles_per_cta(forced_layer, spec):
         want = grads.weight_grad(dy, x, acc=acc0.clone())
         got = _forced("dw", spec, lambda: grads.weight_grad(dy, x, acc=acc0.clone()))
         assert same_bits(got, want), (m, n, k)
-    if not _serves_bmm(spec):
+    if not serves_bmm(spec):
         return
     # A batch: the tile index's L coordinate walks entries; every entry as if alone.
     a, bt = rand(6, 300, 520), rand(6, 520, 700)
@@ -251,7 +156,7 @@ def test_raster_n_gives_the_same_bits(tmp_path):
     lines = ["arch: sm90", "buckets:"]
     for i, spec in enumerate(specs):
         for op in ("fwd", "dx", "dw"):
-            lines += _bucket_lines(f"{op}_raster{i}", op, _FAR + 100 + i, spec, raster_n=True)
+            lines += bucket_lines(f"{op}_raster{i}", op, FAR + 100 + i, spec, raster_n=True)
     path = tmp_path / "raster.yaml"
     path.write_text("\n".join(lines) + "\n")
     registry.add_config(path)
@@ -283,14 +188,7 @@ def test_persistent_grids_fit_the_gpu_s_co_resident_clusters():
     assert gemm._cluster_slots(0, 2) == sms // 2
 
 
-# One spec per kernel class with BM >= 64: one tile per CTA, persistent, swapped, 256 rows,
-# clusters of four and eight, odd multiples of 8 wide; ping-pong (plain and swapped), which
-# keeps the padded rows.
-DIRECT = [TILES[8], TILES[11], PINGPONG[0], SWAPPED[1], SWAPPED[2], WIDE[0], WIDE[4],
-          CLUSTER8[0], CLUSTER8[4], ODD8[0], ODD8[1]]
-
-
-@pytest.mark.parametrize("spec", DIRECT, ids=[_name(*t) for t in DIRECT])
+@pytest.mark.parametrize("spec", DIRECT, ids=[name(*t) for t in DIRECT])
 def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
     """Outputs whose rows TMA cannot address (a width not a multiple of 8, or of 4 in fp32)
     are stored by the kernel's threads from staged sub-tiles, bounds-checked (ping-pong
@@ -303,7 +201,7 @@ def test_unaligned_output_rows_match_the_reference(forced_layer, spec):
         w_odd = rand(n, 333)  # dX [m, 333]
         got = _forced("dx", spec, lambda: grads.input_grad(dy, w_odd))
         assert same_bits(got.cpu(), reference.mm(dy.cpu(), w_odd.cpu())), (m, n)
-    if _serves_bmm(spec):
+    if serves_bmm(spec):
         q, kt = rand(5, 333, 64), rand(5, 333, 64).transpose(1, 2)
         got = _forced("bmm", spec, lambda: dg.bmm(q, kt))
         for i in range(5):

@@ -340,3 +340,19 @@ def test_8_byte_direct_stores_stage_wider_sub_tiles_in_the_same_shared_memory(
     staged = rows * cols * out_bytes * lim.epi_stages(out_bytes, cols)
     er, ec = lim.epilogue_tile(tile[0], tile[1])
     assert staged <= lim.EPI_BYTES_PER_ROWCOL * er * ec
+
+
+def test_the_gpu_tile_tests_layer_loads(tmp_path):
+    """The user layer `test_gpu_tile_shapes.py` forces its specs through is one the registry
+    accepts (a refused bucket there would fail every test of that file on the GPU), and it
+    declares a bmm bucket for exactly the specs the file runs bmm on."""
+    import tile_specs
+
+    path = tmp_path / "tiles.yaml"
+    path.write_text(tile_specs.layer_text())
+    layer = R.load_config(path)
+    names = {b.name for b in layer.buckets if b.op == "bmm"}
+    want = {f"bmm_{tile_specs.name(*s)}" for s in tile_specs.ALL if tile_specs.serves_bmm(s)}
+    assert names == want and want
+    assert not any(s[0][1] % 16 for s in tile_specs.ALL if tile_specs.serves_bmm(s))
+    assert any(s[0][1] % 16 for s in tile_specs.ODD8)
