@@ -60,7 +60,8 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--every", type=int, default=1, help="keep every N-th problem")
     p.add_argument("--limit", type=int, default=None, help="keep at most N problems")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new problem after this many seconds (report what was run)")
+                   help="start no new problem after this many seconds (report what was run; "
+                        "SIGTERM, e.g. from `timeout`, also stops after the current problem)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"),
                    help="output directory (default: bench/results of this checkout)")
@@ -201,15 +202,19 @@ def collect_meta(args, ctx, notes) -> dict:
 
 def run(args, ctx, meta) -> dict:
     from detgemm_cute.benchlib.probe import run_overhead, run_probe
-    from detgemm_cute.benchlib.runner import bench_problem, new_row, row_notes
+    from detgemm_cute.benchlib.runner import bench_problem, new_row, row_notes, stop_on_sigterm
 
     rows, t_start = [], time.time()
     total = len(args.problems)
-    with torch.no_grad():
+    with torch.no_grad(), stop_on_sigterm() as stopped:
         for i, prob in enumerate(args.problems):
             if args.max_seconds is not None and time.time() - t_start > args.max_seconds:
                 meta["notes"].append(f"time box ({args.max_seconds:g} s) reached: {i} of "
                                      f"{total} problems run")
+                log(meta["notes"][-1])
+                break
+            if stopped:
+                meta["notes"].append(f"stopped by SIGTERM: {i} of {total} problems run")
                 log(meta["notes"][-1])
                 break
             t0 = time.time()
@@ -227,7 +232,8 @@ def run(args, ctx, meta) -> dict:
                             for p in ctx.peers if p != "detgemm")
                 + (f" | {'; '.join(row_notes(row))}" if row_notes(row) else "")
                 + f" ({time.time() - t0:.1f} s)")
-        over = args.max_seconds is not None and time.time() - t_start > args.max_seconds
+        over = bool(stopped) or (args.max_seconds is not None
+                                 and time.time() - t_start > args.max_seconds)
         probe = overhead = None
         fwd = [q for q in args.problems if q.op == "fwd"]
         if not args.no_probe and fwd and not over:

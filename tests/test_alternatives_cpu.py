@@ -247,48 +247,81 @@ def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(
     assert got["cands"] == {"a": 11.0} and got["peers"]["cublaslt"] == 9.0
 
 
+def test_read_records_align_puts_a_later_run_on_the_first_runs_scale(tmp_path):
+    """`--align-runs`: a later run's times of a problem are scaled by the candidates both runs
+    timed on it (geomean of earlier / later), a candidate already timed keeps its first time,
+    and a problem the runs share no candidate on joins unscaled."""
+    import gzip
+    import json
+
+    from detgemm_cute.tune.fit_command import read_records
+
+    def rec(m, cands):
+        return {"op": "fwd", "gemm": [m, 4096, 4096], "m": m, "n": 4096, "k": 4096,
+                "device": "GPU X", "arch": "sm90", "dtype": "bf16", "cands": cands,
+                "fields": {c: {"tile": [128, 128, 64]} for c in cands}, "peers": {}}
+
+    first, later = tmp_path / "first.json.gz", tmp_path / "later.json.gz"
+    with gzip.open(first, "wt") as f:
+        json.dump({"records": [rec(512, {"a": 10.0, "b": 20.0}), rec(640, {"a": 5.0})]}, f)
+    with gzip.open(later, "wt") as f:  # 0.8x and 0.9x the first run on the shared a and b
+        json.dump({"records": [rec(512, {"a": 8.0, "b": 18.0, "c": 6.0}),
+                               rec(640, {"c": 4.0})]}, f)
+    got = {r["m"]: r["cands"] for r in read_records((first, later), align=True)}
+    scale = ((10.0 / 8.0) * (20.0 / 18.0)) ** 0.5
+    assert got[512]["a"] == 10.0 and got[512]["b"] == 20.0
+    assert got[512]["c"] == pytest.approx(6.0 * scale)
+    assert got[640] == {"a": 5.0, "c": 4.0}
+    plain = {r["m"]: r["cands"] for r in read_records((first, later))}
+    assert plain[512] == {"a": 8.0, "b": 18.0, "c": 6.0}
+
+
 @pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
-                         "ops", [
+                         "ops, joined", [
     # dX at 129..511 rows: the 60 kernels of bench/shapes/dx_pool.yaml (the dx_small, dx_mid
     # and dx_mid_narrow alternatives before, and fwd_cluster_pool.yaml's) timed on every other
     # problem of bench/shapes/fwd_small.txt and fwd_mid.txt after the cluster ragged-tail fix
-    ("small", ("tune_dx_pool",), (129, 511), (1, None), 16, 6, True, ("dx",)),
-    # the forward at 129..511 rows: the 41 kernels of bench/shapes/fwd_small_odd8_pool.yaml
-    # (the alternatives before and widths that are odd multiples of 8) timed on every problem
-    # of bench/shapes/fwd_small.txt and fwd_small_m256.txt
-    ("small", ("tune_fwd_small_odd8", "tune_fwd_small_m256_odd8"), (129, 511), (1, None), 16,
-     6, True, ("fwd",)),
+    ("small", ("tune_dx_pool",), (129, 511), (1, None), 16, 6, True, ("dx",), None),
+    # the forward at 129..511 rows: the 76 kernels of bench/shapes/fwd_small_deep_pool.yaml
+    # and the 21 more of fwd_small_wave_pool.yaml (a second run, joined on the 4 kernels both
+    # timed: --align-runs) timed on every problem of bench/shapes/fwd_small.txt and
+    # fwd_small_m256.txt
+    # (selected to 28 with --min-gain 0: with each weight left out 0.984x Lt, 0.976x at the
+    # default 0.001's 23)
+    ("small", ("tune_fwd_small_deep", "tune_fwd_small_wave"), (129, 511), (1, None), 28, 6,
+     True, ("fwd",), 0.0),
     # the forward's wide outputs at M 512..767: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
     # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
     # bench/shapes/fwd_mid.txt, all 49 on fwd_mid_m512.txt
     ("mid_low", ("tune_fwd_mid", "tune_fwd_cluster", "tune_fwd_mid_m512"), (512, 767),
-     (2305, None), 12, 6, True, ("fwd",)),
+     (2305, None), 12, 6, True, ("fwd",), None),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
-    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx")),
+    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx"), None),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
-    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",)),
+    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",), None),
     # the forward's narrow outputs at mid M: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
     # timed on every problem of bench/shapes/fwd_mid.txt
-    ("mid_narrow", ("tune_fwd_mid",), (512, 1535), (1, 2304), 8, 6, True, ("fwd",)),
+    ("mid_narrow", ("tune_fwd_mid",), (512, 1535), (1, 2304), 8, 6, True, ("fwd",), None),
     # narrow outputs at prefill M: the 27 kernels of bench/shapes/fwd_prefill_narrow_pool.yaml
     # timed on every problem of bench/shapes/fwd_prefill_narrow.txt
     ("prefill_narrow", ("tune_fwd_prefill_narrow",), (1536, 10**9), (1, 2560), 6, 6, True,
-     ("fwd",)),
+     ("fwd",), None),
     # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
     # every problem of bench/shapes/dw_small.txt
-    ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",)),
+    ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",), None),
     # the forward at 65..128 rows: the 71 kernels of bench/shapes/fwd_m65_128_odd8_pool.yaml
     # timed on every problem of bench/shapes/fwd_m65_128.txt and fwd_m65_128_heldout.txt
-    ("m65_128", ("tune_fwd_m65_128_odd8",), (65, 128), (1, None), 12, 6, True, ("fwd",)),
+    ("m65_128", ("tune_fwd_m65_128_odd8",), (65, 128), (1, None), 12, 6, True, ("fwd",), None),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
-                                                           ops):
+                                                           ops, joined):
     """The built-in small, mid, mid-low, mid-narrow, prefill-narrow and M 65..128 buckets (and dW's
     small one) are what `choice` selects and fits from the tune records committed next to
-    them (bench/results/tune/): configs are data, derived."""
+    them (bench/results/tune/): configs are data, derived. `joined`: None, or the --min-gain of
+    a bucket selected from runs joined with --align-runs."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate
@@ -298,7 +331,7 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
     paths = sorted(p for r in records for p in root.glob(f"{r}_nvidia-*.json.xz"))
     assert len(paths) == len(records), paths
-    recs = read_records(paths)
+    recs = read_records(paths, align=joined is not None)
     fields = all_fields(recs)
     reg = R.get_registry("sm90")
     for op in ops:
@@ -306,7 +339,8 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
                and n_range[0] <= p.n <= (n_range[1] or p.n)]
         costs = choice.fit_all(pts, fields, 132, 8, terms=terms,
                                only=choice.contenders(pts) if contend else None)
-        names = choice.select(pts, costs, max_alternatives)
+        names = choice.select(pts, costs, max_alternatives,
+                              0.001 if joined is None else joined)
         pad = (0.0,) * (wave_cost.N_COEFFS - terms)
         want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + pad for n in names}
         got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets

@@ -208,6 +208,37 @@ def test_bench_time_box(fake, monkeypatch, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_bench_sigterm_stops_between_rows_and_writes_them(fake, monkeypatch, tmp_path, capsys):
+    """`timeout` sends SIGTERM: the bench finishes the row it is on, runs no other, and writes
+    its JSON and markdown with the rows so far; SIGTERM's handler is restored afterwards."""
+    import os
+    import signal
+
+    from detgemm_cute.benchlib import runner
+
+    spec = importlib.util.spec_from_file_location("bench_gemm_fake_gpu4", _PATH)
+    bg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bg)
+    real = runner.bench_problem
+
+    def first_then_term(prob, ctx):
+        row = real(prob, ctx)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    monkeypatch.setattr(runner, "bench_problem", first_then_term)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = bg.main(["--shapes", "8x32x16", "9x32x16", "10x32x16", "--no-pedantic",
+                  "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "gemm_nvidia-h100-80gb-hbm3_shapes.json").read_text())
+    assert [r["M"] for r in rep["rows"]] == [8]
+    assert any("stopped by SIGTERM: 1 of 3" in n for n in rep["meta"]["notes"])
+    assert rep["probe"] is None and rep["overhead"] is None
+    assert signal.getsignal(signal.SIGTERM) is before
+    capsys.readouterr()
+
+
 def test_bench_jobs_prebuilds_the_table_kernels(fake, monkeypatch, tmp_path, capsys):
     from detgemm_cute import dispatch, parallel_compile
 

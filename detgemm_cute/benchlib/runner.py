@@ -12,6 +12,9 @@ A row (plain dict, strict-JSON friendly):
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +190,22 @@ def row_notes(row) -> list[str]:
         elif cell.get("method") and cell["method"] != "graph":
             notes.append(f"{P.SHORT[p]} timed by {cell['method']}")
     return notes
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """A list that receives the signal number when SIGTERM arrives (what `timeout` sends), so
+    a loop over problems can stop between rows and still write the rows it has; the previous
+    handler comes back on exit. Outside the main thread (no handler can be set) it stays empty."""
+    got: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    prev = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, prev)
 
 
 def run_time_boxed(items, measure, stem, meta: dict, max_seconds: float, report,

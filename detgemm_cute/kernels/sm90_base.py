@@ -388,8 +388,8 @@ class Sm90Base(EpilogueStores):
         its bits. Left past the end, such a box slowed its cluster down: on the H100, the
         forward's cluster kernels whose tile count along a cluster dimension is not a
         multiple of the cluster ran 1.14x faster (geomean, up to 2.3x) after this change
-        (bench/results/tune/tune_fwd_small_*). 0 when the extent is shorter than a tile,
-        and with `accumulate` (dW +=), where a row computed twice would read C after the
+        (tune_fwd_small_* of 2026-11-27, bench/results/README.md). 0 when the extent is
+        shorter than a tile, and with `accumulate` (dW +=), where a row computed twice would read C after the
         other tile had stored it."""
         off = cutlass.Int32(0)
         if cutlass.const_expr(not self.accumulate):

@@ -153,7 +153,7 @@ def select(points, costs: dict, max_alternatives: int = 12, min_gain: float = 0.
 
 
 def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternatives: int = 12,
-                   min_points: int = 8) -> list[tuple]:
+                   min_points: int = 8, min_gain: float = 0.001) -> list[tuple]:
     """[(point, chosen name or None)] with each token count left out of fitting and
     selection in turn (among the contenders of all points); `token_dim` is "m" (fwd, dx)
     or "k" (dW)."""
@@ -162,7 +162,7 @@ def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternati
     for hold in sorted({getattr(p, token_dim) for p in points}):
         train = [p for p in points if getattr(p, token_dim) != hold]
         costs = fit_all(train, fields, sms, min_points, only=keep)
-        names = select(train, costs, max_alternatives)
+        names = select(train, costs, max_alternatives, min_gain)
         out += [(p, pick(p, names, costs, fields, sms))
                 for p in points if getattr(p, token_dim) == hold]
     return out

@@ -8,7 +8,8 @@
         --out prefill.yaml                                   (refit on the unbiased timings)
 
 Reads one or more `--json` files of `detgemm-cute tune` (plain, .gz or .xz; records of one GEMM in
-several files are merged), and per op writes one bucket covering --m-min <= M <= --m-max and
+several files are merged; `--align-runs` scales a later run's times to the first's by the
+candidates both timed), and per op writes one bucket covering --m-min <= M <= --m-max and
 --n-min <= N <= --n-max (GEMM dims; every K; the records outside are not used),
 its alternatives (selected among the contenders: candidates timed on >= 95% of the problems
 and within 3% of the fastest on at least 3) and their cost coefficients fitted by
@@ -37,25 +38,38 @@ OPS = ("fwd", "dx", "dw")
 OPENERS = {".gz": gzip.open, ".xz": lzma.open}
 
 
-def read_records(paths) -> list[dict]:
+def read_records(paths, align: bool = False) -> list[dict]:
     """Records of every file; the candidates of one problem (same device, arch, dtype, op and
     shape: the resume file's key) merged. A peer's time comes from the first file that has
     it, so a file of extra candidates may leave its peers out and the merge does not depend
-    on the order of the files."""
+    on the order of the files. `align`: runs on two machines (or at two clocks) join: a later
+    file's times of a problem are scaled by the geomean ratio, earlier over later, of the
+    candidates both timed on it (unscaled when they share none), and a candidate already
+    timed keeps its first time."""
     merged: dict = {}
     for path in paths:
         for rec in _file_records(path):
             key = record_key(rec)
+            cands = dict(rec.get("cands") or {})
             if key in merged:
-                merged[key]["cands"].update(rec.get("cands") or {})
+                have = merged[key]["cands"]
+                if align:
+                    cands = _aligned(have, cands)
+                have.update(cands)
                 merged[key]["fields"].update(rec.get("fields") or {})
                 for peer, us in (rec.get("peers") or {}).items():
                     merged[key]["peers"].setdefault(peer, us)
             else:
-                merged[key] = dict(rec, cands=dict(rec.get("cands") or {}),
-                                   fields=dict(rec.get("fields") or {}),
+                merged[key] = dict(rec, cands=cands, fields=dict(rec.get("fields") or {}),
                                    peers=dict(rec.get("peers") or {}))
     return list(merged.values())
+
+
+def _aligned(have: dict, new: dict) -> dict:
+    """The candidates of `new` not in `have`, on `have`'s scale (see `read_records`)."""
+    common = [c for c in new if c in have and have[c] and new[c]]
+    scale = geomean([have[c] / new[c] for c in common]) if common else 1.0
+    return {c: (t * scale if t is not None else None) for c, t in new.items() if c not in have}
 
 
 def _file_records(path) -> list:
@@ -99,13 +113,13 @@ def fit_op(records, op: str, args, out) -> list[str]:
     costs = choice.fit_all(pts, fields, args.sms, args.min_points,
                            only=None if args.keep else choice.contenders(pts))
     names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
-             else choice.select(pts, costs, args.max_alternatives))
+             else choice.select(pts, costs, args.max_alternatives, args.min_gain))
     if len(names) < 1:
         out(f"{op}: too few candidates measured on >= {args.min_points} problems: no bucket")
         return []
     fitted = _ratios((p, choice.pick(p, names, costs, fields, args.sms)) for p in pts)
     held = _ratios(choice.cross_validate(pts, fields, args.sms, token, args.max_alternatives,
-                                         args.min_points)) if not args.keep else []
+                                         args.min_points, args.min_gain)) if not args.keep else []
     dev = next((r.get("device") for r in records if r.get("device")), "this GPU")
     toks = sorted({getattr(p, token) for p in pts})
     note = (f"tune-fit on {dev}: {len(names)} alternatives, costs from {len(pts)} problems "
@@ -125,12 +139,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz or .xz ok)")
     p.add_argument("--ops", default="fwd,dx,dw")
+    p.add_argument("--align-runs", action="store_true",
+                   help="records of one problem from several runs (other machines, clocks): "
+                        "scale a later file's times by the candidates both runs timed on it "
+                        "(a later file should time a few of the earlier one's candidates again)")
     p.add_argument("--m-min", type=int, default=1, help="the buckets serve GEMM M >= this")
     p.add_argument("--m-max", type=int, default=None, help="... and M <= this (default: any)")
     p.add_argument("--n-min", type=int, default=1, help="... and GEMM N >= this")
     p.add_argument("--n-max", type=int, default=None, help="... and N <= this (default: any)")
     p.add_argument("--sms", type=positive_int, default=132, help="SM count of the GPU measured on")
     p.add_argument("--max-alternatives", type=positive_int, default=12)
+    p.add_argument("--min-gain", type=float, default=0.001,
+                   help="stop selecting when the next alternative raises the geomean of the best "
+                        "alternative's time over the problems by less than this (0: select "
+                        "--max-alternatives, or until no candidate gains)")
     p.add_argument("--min-points", type=positive_int, default=8,
                    help="fit only candidates measured on at least this many problems")
     p.add_argument("--keep", metavar="LAYER.yaml",
@@ -164,7 +186,7 @@ def run(args, out=print) -> int:
                   f"{getattr(args, lo)} / --{hi.replace('_', '-')} {getattr(args, hi)}: "
                   f"expected 1 <= min <= max", file=sys.stderr)
             return 2
-    records = read_records(args.records)
+    records = read_records(args.records, align=args.align_runs)
     lines = [f"arch: {args.arch}", "buckets:"]
     for op in ops:
         lines += fit_op(records, op, args, out)
