@@ -217,6 +217,13 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
     assert "m: [200, 1024]" in text and "n: [2000, null]" in text
     assert cli.main(["tune-fit", str(src), "--m-min", "600", "--m-max", "500",
                      "--out", str(box)]) == 2
+    # a run joined to itself (--align-runs: every time already there) selects the same two
+    assert cli.main(["tune-fit", str(src), str(src), "--align-runs", "--min-gain", "0",
+                     "--ops", "fwd", "--m-min", "200", "--min-points", "5", "--out",
+                     str(out)]) == 0
+    assert "2 alternatives" in capsys.readouterr().out
+    assert cli.main(["tune-fit", str(src), "--min-gain", "-0.1", "--out", str(out)]) == 2
+    assert "--min-gain: expected a number >= 0.0, got -0.1" in capsys.readouterr().err
 
 
 def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(tmp_path):

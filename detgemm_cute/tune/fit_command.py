@@ -135,7 +135,7 @@ def fit_op(records, op: str, args, out) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli_args import family_type, positive_int
+    from ..cli_args import at_least, family_type, positive_int
 
     p.add_argument("records", nargs="+", help="--json files of `detgemm-cute tune` (.gz or .xz ok)")
     p.add_argument("--ops", default="fwd,dx,dw")
@@ -149,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-max", type=int, default=None, help="... and N <= this (default: any)")
     p.add_argument("--sms", type=positive_int, default=132, help="SM count of the GPU measured on")
     p.add_argument("--max-alternatives", type=positive_int, default=12)
-    p.add_argument("--min-gain", type=float, default=0.001,
+    p.add_argument("--min-gain", type=at_least(float, 0.0), default=0.001,
                    help="stop selecting when the next alternative raises the geomean of the best "
                         "alternative's time over the problems by less than this (0: select "
                         "--max-alternatives, or until no candidate gains)")
