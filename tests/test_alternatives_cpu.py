@@ -284,51 +284,51 @@ def test_read_records_align_puts_a_later_run_on_the_first_runs_scale(tmp_path):
 
 
 @pytest.mark.parametrize("group, records, m_range, n_range, max_alternatives, terms, contend, "
-                         "ops, joined", [
+                         "ops, fit", [
     # dX at 129..511 rows: the 60 kernels of bench/shapes/dx_pool.yaml (the dx_small, dx_mid
     # and dx_mid_narrow alternatives before, and fwd_cluster_pool.yaml's) timed on every other
     # problem of bench/shapes/fwd_small.txt and fwd_mid.txt after the cluster ragged-tail fix
-    ("small", ("tune_dx_pool",), (129, 511), (1, None), 16, 6, True, ("dx",), None),
+    ("small", ("tune_dx_pool",), (129, 511), (1, {}), 16, 6, True, ("dx",), {}),
     # the forward at 129..511 rows: the 76 kernels of bench/shapes/fwd_small_deep_pool.yaml
     # and the 21 more of fwd_small_wave_pool.yaml (a second run, joined on the 4 kernels both
     # timed: --align-runs) timed on every problem of bench/shapes/fwd_small.txt and
     # fwd_small_m256.txt
     # (selected to 28 with --min-gain 0: with each weight left out 0.984x Lt, 0.976x at the
     # default 0.001's 23)
-    ("small", ("tune_fwd_small_deep", "tune_fwd_small_wave"), (129, 511), (1, None), 28, 6,
-     True, ("fwd",), 0.0),
+    ("small", ("tune_fwd_small_deep", "tune_fwd_small_wave"), (129, 511), (1, {}), 28, 6,
+     True, ("fwd",), {"align": True, "min_gain": 0.0}),
     # the forward's wide outputs at M 512..767: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
     # and the 15 more of fwd_cluster_pool.yaml timed on every problem of
     # bench/shapes/fwd_mid.txt, all 49 on fwd_mid_m512.txt
     ("mid_low", ("tune_fwd_mid", "tune_fwd_cluster", "tune_fwd_mid_m512"), (512, 767),
-     (2305, None), 12, 6, True, ("fwd",), None),
+     (2305, {}), 12, 6, True, ("fwd",), {}),
     # fitted before the padding term and the contenders rule (a mid table reselected with
     # them ran 2-3% slower on the bench's mid rows: the small-mid A/B, bench/results/README.md)
-    ("mid", ("tune_mid",), (512, 1535), (1, None), 16, 5, False, ("fwd", "dx"), None),
+    ("mid", ("tune_mid",), (512, 1535), (1, {}), 16, 5, False, ("fwd", "dx"), {}),
     # narrow outputs at mid M: the previous alternatives and kernels on 2-, 4- and 8-CTA
     # clusters, every one timed on every problem
-    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",), None),
+    ("mid_narrow", ("tune_narrow8",), (512, 1535), (1, 2304), 16, 6, True, ("dx",), {}),
     # the forward's narrow outputs at mid M: the 34 kernels of bench/shapes/fwd_mid_pool.yaml
     # timed on every problem of bench/shapes/fwd_mid.txt
-    ("mid_narrow", ("tune_fwd_mid",), (512, 1535), (1, 2304), 8, 6, True, ("fwd",), None),
+    ("mid_narrow", ("tune_fwd_mid",), (512, 1535), (1, 2304), 8, 6, True, ("fwd",), {}),
     # narrow outputs at prefill M: the 27 kernels of bench/shapes/fwd_prefill_narrow_pool.yaml
     # timed on every problem of bench/shapes/fwd_prefill_narrow.txt
     ("prefill_narrow", ("tune_fwd_prefill_narrow",), (1536, 10**9), (1, 2560), 6, 6, True,
-     ("fwd",), None),
+     ("fwd",), {}),
     # dW with few output tiles: the 18 kernels of bench/shapes/dw_small_pool.yaml timed on
     # every problem of bench/shapes/dw_small.txt
-    ("small", ("tune_dw_small",), (1, 767), (17, None), 8, 6, True, ("dw",), None),
+    ("small", ("tune_dw_small",), (1, 767), (17, {}), 8, 6, True, ("dw",), {}),
     # the forward at 65..128 rows: the 71 kernels of bench/shapes/fwd_m65_128_odd8_pool.yaml
     # timed on every problem of bench/shapes/fwd_m65_128.txt and fwd_m65_128_heldout.txt
-    ("m65_128", ("tune_fwd_m65_128_odd8",), (65, 128), (1, None), 12, 6, True, ("fwd",), None),
+    ("m65_128", ("tune_fwd_m65_128_odd8",), (65, 128), (1, {}), 12, 6, True, ("fwd",), {}),
 ])
 def test_builtin_buckets_follow_from_the_committed_records(group, records, m_range, n_range,
                                                            max_alternatives, terms, contend,
-                                                           ops, joined):
+                                                           ops, fit):
     """The built-in small, mid, mid-low, mid-narrow, prefill-narrow and M 65..128 buckets (and dW's
     small one) are what `choice` selects and fits from the tune records committed next to
-    them (bench/results/tune/): configs are data, derived. `joined`: None, or the --min-gain of
-    a bucket selected from runs joined with --align-runs."""
+    them (bench/results/tune/): configs are data, derived. `fit`: the bucket's tune-fit options
+    beyond the defaults (`align`: --align-runs, `min_gain`: --min-gain)."""
     from pathlib import Path
 
     from detgemm_cute.tune.candidates import Candidate
@@ -338,7 +338,7 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
     paths = sorted(p for r in records for p in root.glob(f"{r}_nvidia-*.json.xz"))
     assert len(paths) == len(records), paths
-    recs = read_records(paths, align=joined is not None)
+    recs = read_records(paths, align=fit.get("align", False))
     fields = all_fields(recs)
     reg = R.get_registry("sm90")
     for op in ops:
@@ -346,8 +346,7 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
                and n_range[0] <= p.n <= (n_range[1] or p.n)]
         costs = choice.fit_all(pts, fields, 132, 8, terms=terms,
                                only=choice.contenders(pts) if contend else None)
-        names = choice.select(pts, costs, max_alternatives,
-                              0.001 if joined is None else joined)
+        names = choice.select(pts, costs, max_alternatives, fit.get("min_gain", 0.001))
         pad = (0.0,) * (wave_cost.N_COEFFS - terms)
         want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + pad for n in names}
         got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets

@@ -307,6 +307,28 @@ def test_report_files(tmp_path):
     assert report.write_plot(many, str(tmp_path / "many.png"), "t") is None
 
 
+def test_run_time_boxed_stops_on_sigterm_and_writes_the_rows(tmp_path, capsys):
+    """The time-boxed loop of bench_pdl / bench_fp32_decode: SIGTERM during a row ends the
+    run after it, and the JSON and markdown hold the rows so far; the handler is restored."""
+    import signal
+
+    from detgemm_cute.benchlib.runner import run_time_boxed
+
+    def measure(item):
+        if item == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"item": item}
+
+    before = signal.getsignal(signal.SIGTERM)
+    rows = run_time_boxed([1, 2, 3, 4], measure, tmp_path / "r", {"device": "X"}, 1e9,
+                          lambda rows, meta: [f"{len(rows)} rows"])
+    assert rows == [{"item": 1}, {"item": 2}]
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+    assert (tmp_path / "r.md").read_text() == "2 rows\n"
+    assert "stopped by SIGTERM after 2 problems" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_rows_equal_bitwise_cpu():
     torch.manual_seed(0)
     full = torch.randn(8, 5).to(torch.bfloat16)

@@ -212,7 +212,8 @@ def run_time_boxed(items, measure, stem, meta: dict, max_seconds: float, report,
                    on_row=None) -> list:
     """Rows `measure(item)` for the items in order, starting none after `max_seconds`;
     `stem`.json (device meta and rows so far) is rewritten after every row, `stem`.md from
-    `report(rows, meta)` (lines) at the end; `on_row(item, row)` logs a row."""
+    `report(rows, meta)` (lines) at the end; `on_row(item, row)` logs a row. SIGTERM stops it
+    after the current row the same way (`stop_on_sigterm`)."""
     import json
     import time
     from pathlib import Path
@@ -223,15 +224,17 @@ def run_time_boxed(items, measure, stem, meta: dict, max_seconds: float, report,
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     t0, rows = time.time(), []
-    for item in items:
-        if time.time() - t0 > max_seconds:
-            gpu.log(f"time box reached after {len(rows)} problems")
-            break
-        rows.append(measure(item))
-        if on_row is not None:
-            on_row(item, rows[-1])
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"device": meta, "rows": rows}, indent=1, default=json_default))
+    with stop_on_sigterm() as stopped:
+        for item in items:
+            if time.time() - t0 > max_seconds or stopped:
+                gpu.log(f"{'stopped by SIGTERM' if stopped else 'time box reached'} after "
+                        f"{len(rows)} problems")
+                break
+            rows.append(measure(item))
+            if on_row is not None:
+                on_row(item, rows[-1])
+            stem.with_suffix(".json").write_text(json.dumps(
+                {"device": meta, "rows": rows}, indent=1, default=json_default))
     stem.with_suffix(".md").write_text("\n".join(report(rows, meta)) + "\n")
     gpu.log(f"wrote {stem}.md/.json")
     return rows
