@@ -41,6 +41,7 @@ from pathlib import Path
 
 FLOOR = 0.9
 _LABEL = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
+DIRECT_TWIN = "+direct"
 PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm", "staged")
 
 
@@ -82,8 +83,20 @@ def read_rows(paths) -> list[dict]:
             if r.get("bits_ok") and (r.get("us") or {}).get("torch_bmm"):
                 if not table_timed and "table" in r["us"]:
                     r = {**r, "us": {k: v for k, v in r["us"].items() if k != "table"}}
-                rows[(r["kind"], r["L"], r["M"], r["K"], r["N"])] = r
+                rows[(r["kind"], r["L"], r["M"], r["K"], r["N"])] = _twins_as_plain(r)
     return list(rows.values())
+
+
+def _twins_as_plain(r) -> dict:
+    """On a row whose outputs the threads store anyway, a candidate's direct-store twin
+    (`sweep_bmm.py --direct`/`--direct-only`, name + "+direct") is the candidate itself:
+    it is counted under the candidate's name where that was not timed."""
+    if not thread_stored(r):
+        return r
+    us = dict(r["us"])
+    for nm in [nm for nm in us if nm.endswith(DIRECT_TWIN)]:
+        us.setdefault(nm[:-len(DIRECT_TWIN)], us[nm])
+    return {**r, "us": us}
 
 
 def speeds(rows, name) -> list[float] | None:

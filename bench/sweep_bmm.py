@@ -30,6 +30,9 @@ included).
 
     python bench/sweep_bmm.py --preset broad --jobs 14 --max-seconds 200 --out $OUT/bmm_broad.json
 
+`--seqs S,...` keeps the preset's problems at those sequence lengths; `--direct-only` times
+the direct-store twins alone (for rows the threads store whatever the tile).
+
 `--preset pv` times 8 p @ v problems at unaligned S (`PV_PROBLEMS`) on the tiles of the
 table's p @ v buckets and the 64x64 tile (`PV_ONLY`): the table against the same tile forced
 and against the staging path.
@@ -73,7 +76,14 @@ CANDIDATES = [
         # Output-bound q @ k^T reads about twice the bytes it writes (from L2) on a 128x128
         # tile: wider tiles and multicast clusters read fewer per output.
         ((128, 256, 64), (1, 1), 3, True, False), ((128, 256, 64), (2, 1), 3, True, False),
-        ((128, 128, 64), (2, 2), 4, True, False), ((128, 192, 64), (2, 1), 4, True, False))]
+        ((128, 128, 64), (2, 2), 4, True, False), ((128, 192, 64), (2, 1), 4, True, False),
+        # Wider still (H200, 2026-11-28: 128x256 on a 2x1 cluster led every aligned q @ k^T
+        # row at S >= 512): 256-row tiles (two warpgroups of 128 rows) read 1.17-1.5x the
+        # bytes they write.
+        ((128, 256, 64), (2, 1), 4, True, False), ((128, 256, 64), (1, 2), 3, True, False),
+        ((256, 128, 64), (1, 1), 3, True, False), ((256, 128, 64), (1, 2), 3, True, False),
+        ((256, 128, 64), (2, 1), 3, True, False), ((256, 192, 64), (1, 1), 3, True, False),
+        ((256, 192, 64), (1, 2), 3, True, False))]
 
 
 # The broad sweep (`--preset broad`): (label, query heads, head_dim) at the sequence lengths
@@ -296,6 +306,10 @@ def parse_args(argv=None):
     p.add_argument("--problems", help="L,S,d;... instead of the models' problems")
     p.add_argument("--kinds", default="qk,pv")
     p.add_argument("--direct", action="store_true", help="add direct-store twins")
+    p.add_argument("--direct-only", action="store_true",
+                   help="time the direct-store twins only (rows the threads store anyway)")
+    p.add_argument("--seqs", help="comma-separated sequence lengths: keep the preset's "
+                   "problems at these S only (e.g. the aligned ones TMA stores)")
     p.add_argument("--only", help="comma-separated substrings: keep the candidates whose "
                    "names contain one (e.g. 128x256x64_c2x1,128x128x64_c1x1_s4_p)")
     p.add_argument("--preset", choices=("models", "broad", "pv"), default="models",
@@ -304,13 +318,18 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.preset != "models" and args.problems:
         p.error(f"--preset {args.preset} and --problems are two problem lists: give one")
+    if args.seqs:
+        try:
+            args.seqs = {int(v) for v in args.seqs.split(",")}
+        except ValueError:
+            p.error(f"--seqs: expected comma-separated integers, got {args.seqs!r}")
     return args
 
 
 def problem_list(args) -> list:
     """(label, L, S, head_dim) of the run, in order."""
     if args.preset == "broad":
-        return broad_problems()
+        return [pr for pr in broad_problems() if not args.seqs or pr[2] in args.seqs]
     if args.preset == "pv":
         return list(PV_PROBLEMS)
     if args.problems:
@@ -326,9 +345,10 @@ def candidate_names(args, names) -> list[str]:
         names = [nm for nm in names if any(o in nm for o in args.only.split(","))]
     elif exact:
         names = [nm for nm in names if nm.split(".", 1)[1] in exact]
-    if args.direct:
-        names += [nm + DIRECT for nm in names if gemm.stores_direct(
+    if args.direct or args.direct_only:
+        twins = [nm + DIRECT for nm in names if gemm.stores_direct(
             "sm90", dispatch.bucket_by_name("sm90", nm), True)]
+        names = twins if args.direct_only else names + twins
     return names
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from . import config_yaml, wave_cost
+from . import config_yaml, device_tables, wave_cost
 from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
 from .kernels.limits_common import config_label
 
@@ -605,7 +605,8 @@ def builtin_path(arch: str) -> Path:
 
 
 def load_builtin(arch: str) -> ConfigFile:
-    """The built-in table of an arch, with coverage checked."""
+    """The built-in table of an arch, with coverage checked, and this device's kernels in
+    place of the family's where it has a device table (`device_tables`)."""
     limits_for(arch)  # unknown arch -> ValueError, missing family -> ArchNotAvailable
     path = builtin_path(arch)
     if not path.is_file():
@@ -613,7 +614,21 @@ def load_builtin(arch: str) -> ConfigFile:
             f"no built-in table for the {FAMILY_NAMES.get(arch, arch)} kernel family: "
             f"{show_path(path)} is missing; the installation is incomplete (reinstall "
             f"detgemm-cute)")
-    return load_config(path, complete=True, arch=arch, origin="built-in")
+    table = load_config(path, complete=True, arch=arch, origin="built-in")
+    overlay = device_tables.overlay_path(BUILTIN_DIR, arch)
+    if overlay is None:
+        return table
+    return _with_device_kernels(table, load_config(overlay, arch=arch, origin="device table"))
+
+
+def _with_device_kernels(table: ConfigFile, device: ConfigFile) -> ConfigFile:
+    buckets, problems = device_tables.replace_kernels(table.buckets, device.buckets)
+    if problems:
+        probs = _Problems(device.path)
+        for line, name, msg in problems:
+            probs.add(line, msg, name)
+        raise ConfigError(device.path, probs.lines)
+    return replace(table, buckets=buckets)
 
 
 # ---------------------------------------------------------------------------------------

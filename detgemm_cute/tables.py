@@ -44,6 +44,10 @@ def audit_one(arch: str, extra: list, out) -> None:
     for f in r.files:
         out(f"  layer {f.layer} ({reg.layer_label(f.layer)}): "
             f"{reg.show_path(f.path)} [{f.origin}], {len(f.buckets)} buckets")
+        device = [b for b in f.buckets if f.layer == 0 and b.source != f.path]
+        if device:
+            out(f"    this device's kernels in {len(device)} of them: "
+                f"{reg.show_path(device[0].source)} ({', '.join(b.name for b in device)})")
     out("")
     out(format_table(r.buckets))
     out("")

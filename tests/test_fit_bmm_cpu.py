@@ -305,3 +305,44 @@ def test_preset_pv_parses_and_lists_its_calls(sb, tmp_path):
         f"table 0.75x, {names[0].split('.', 1)[1]} 0.50x, staged 0.45x")
     with pytest.raises(SystemExit):
         sb.parse_args(["--preset", "pv", "--problems", "1,2,3", "--out", "x"])
+
+
+def test_direct_twins_count_as_the_candidate_on_thread_stored_rows(fb, tmp_path):
+    """`sweep_bmm.py --direct-only` times "X+direct": on a row the threads store anyway that
+    is kernel X; on a TMA-stored row it is another kernel and stays apart."""
+    threads = {**row(1000, {A + "+direct": 70.0, "table": 90.0}), "layout": {"c_direct": True}}
+    tma = {**row(1024, {A + "+direct": 150.0, B: 80.0, "table": 90.0}),
+           "layout": {"c_direct": False}}
+    got = {r["M"]: r["us"] for r in fb.read_rows([write(tmp_path, [threads, tma])])}
+    assert got[1000][A] == 70.0 and A + "+direct" in got[1000]
+    assert A not in got[1024] and got[1024][B] == 80.0
+    assert fb.candidates_of([{"us": got[1000], "M": 1000}]) == [A]
+
+
+def test_the_h200_device_table_is_the_fit_of_its_records(fb, monkeypatch, tmp_path):
+    """configs/devices/nvidia-h200/sm90.yaml: `fit_bmm.py --splits 0` on the committed H200
+    sweep records picks each bucket's kernel and direct kernel (the records' rows ran the
+    family table, which is what the fit groups by), except that bmm_m257_512_wide keeps the
+    family's 64x128 for rows the threads store (2.26x against the fit's 128x128, 2.18x)."""
+    monkeypatch.setenv("DETGEMM_CUTE_DEVICE_TABLE", "off")
+    monkeypatch.setattr(registry, "_builtins", {})
+    registry.invalidate()
+    tune = ROOT / "bench" / "results" / "tune"
+    rows = fb.read_rows([tune / "bmm_qk_tma_nvidia-h200.json.gz",
+                         tune / "bmm_qk_direct_nvidia-h200.json.gz"])
+    layer = tmp_path / "fit.yaml"
+    layer.write_text("\n".join(fb.fit(rows, splits=0, device="NVIDIA H200",
+                                      out=lambda *_: None)) + "\n")
+    fitted = {b.name: b for b in registry.load_config(layer).buckets}
+    family = {b.name: b for b in registry.load_builtin("sm90").buckets}
+    shipped = registry.load_config(ROOT / "configs" / "devices" / "nvidia-h200" / "sm90.yaml")
+    assert {b.name for b in shipped.buckets} == set(fitted)
+    for b in shipped.buckets:
+        f = fitted[b.name]
+        assert (b.tile, b.cluster, b.stages, b.persistent) == (f.tile, f.cluster, f.stages,
+                                                               f.persistent), b.name
+        want = family[b.name] if b.name == "bmm_m257_512_wide" else f.direct
+        got = b.direct and (b.direct.tile, b.direct.stages)
+        assert got == (want and (want.tile, want.stages)), b.name
+    registry._builtins.clear()
+    registry.invalidate()

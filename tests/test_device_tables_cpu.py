@@ -1,0 +1,145 @@
+"""Device tables (`configs/devices/<device>/<arch>.yaml`, `device_tables.py`): which one a
+process takes, what it may change, and that it changes only the kernels of buckets the
+family table already has (its op, dtypes and box; so coverage and the bits hold)."""
+
+from __future__ import annotations
+
+import pytest
+
+from detgemm_cute import device_tables as D
+from detgemm_cute import dispatch
+from detgemm_cute import registry as R
+
+QK_4000 = (4000, 4000, 128)  # q @ k^T, S = 4000, head_dim 128: (M, N, K)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Set DETGEMM_CUTE_DEVICE_TABLE (None: unset) with no table or registry cached."""
+    def use(value):
+        if value is None:
+            monkeypatch.delenv(D.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(D.ENV_VAR, value)
+        monkeypatch.setattr(R, "_builtins", {})
+        R.invalidate()
+    yield use
+    monkeypatch.delenv(D.ENV_VAR, raising=False)
+    R._builtins.clear()
+    R.invalidate()
+
+
+def test_slug_of_device_names():
+    assert D.slug("NVIDIA H200") == "nvidia-h200"
+    assert D.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_every_device_table_loads_and_replaces_only_kernels(device):
+    devices = D.known(R.BUILTIN_DIR)
+    assert "nvidia-h200" in devices
+    device("off")
+    family = {b.name: b for b in R.load_builtin("sm90").buckets}
+    for dev in devices:
+        device(dev)
+        table = R.load_builtin("sm90")
+        changed = [b for b in table.buckets if b != family[b.name]]
+        assert changed and len(table.buckets) == len(family)
+        for b in changed:
+            f = family[b.name]
+            assert (b.op, b.dtypes, b.m, b.n, b.k) == (f.op, f.dtypes, f.m, f.n, f.k)
+            assert b.source.parent.name == dev and b.source.parent.parent.name == D.SUBDIR
+        for op in R.OPS:  # the boxes are the family's, so every (M, N, K) is still served
+            for dt in R.REQUIRED_DTYPES:
+                assert not R.coverage_gaps([b for b in table.buckets
+                                            if b.op == op and dt in b.dtypes])
+
+
+def test_the_h200_table_picks_its_own_qk_tile(device):
+    device("nvidia-h200")
+    b = dispatch.lookup("bmm", "bf16", "sm90", *QK_4000)
+    assert (b.name, b.tile, b.cluster) == ("bmm_m513_wide_n1024", (128, 256, 64), (2, 1))
+    assert b.direct is not None and b.direct.tile == (128, 256, 64)
+    device("off")
+    b = dispatch.lookup("bmm", "bf16", "sm90", *QK_4000)
+    assert (b.name, b.tile, b.cluster) == ("bmm_m513_wide_n1024", (128, 128, 64), (2, 1))
+
+
+def test_no_cuda_device_means_the_family_table(device, monkeypatch):
+    """CPU CI: unset and no usable CUDA device -> no device table."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device(None)
+    assert D.current_device() == (None, False)
+    assert D.overlay_path(R.BUILTIN_DIR, "sm90") is None
+    assert dispatch.lookup("bmm", "bf16", "sm90", *QK_4000).tile == (128, 128, 64)
+
+
+def test_a_device_without_tables_for_a_family_takes_the_family_table(device):
+    device("nvidia-h200")
+    assert D.overlay_path(R.BUILTIN_DIR, "sm80") is None  # it has sm90 choices only
+    assert R.load_builtin("sm80").buckets == R.load_config(R.builtin_path("sm80")).buckets
+
+
+def test_an_unknown_named_device_is_a_clear_error(device):
+    device("NVIDIA Z900")
+    with pytest.raises(ValueError, match=r"DETGEMM_CUTE_DEVICE_TABLE='NVIDIA Z900': no device "
+                                         r"tables for 'nvidia-z900'; devices with tables: .*"
+                                         r"nvidia-h200"):
+        R.load_builtin("sm90")
+
+
+def _device_dir(tmp_path, monkeypatch, text):
+    """BUILTIN_DIR copied to tmp_path with a device table `text` for device 'test-gpu'."""
+    (tmp_path / "sm90.yaml").write_text(R.builtin_path("sm90").read_text())
+    (tmp_path / D.SUBDIR / "test-gpu").mkdir(parents=True)
+    (tmp_path / D.SUBDIR / "test-gpu" / "sm90.yaml").write_text(text)
+    monkeypatch.setattr(R, "BUILTIN_DIR", tmp_path)
+
+
+BUCKET = """arch: sm90
+buckets:
+  - name: {name}
+    op: bmm
+    dtypes: [bf16, fp16]
+    m: [{m_lo}, null]
+    n: [1024, null]
+    k: [113, 128]
+    tile: [128, 192, 64]
+    stages: 4
+    persistent: true
+"""
+
+
+@pytest.mark.parametrize("name, m_lo, words", [
+    ("bmm_no_such_bucket", 513, "no such bucket"),
+    ("bmm_m513_wide_n1024", 600, "op, dtypes and box must be the built-in bucket's"),
+])
+def test_a_device_bucket_must_match_a_family_bucket(device, tmp_path, monkeypatch, name,
+                                                    m_lo, words):
+    _device_dir(tmp_path, monkeypatch, BUCKET.format(name=name, m_lo=m_lo))
+    device("test-gpu")
+    with pytest.raises(R.ConfigError, match=words) as e:
+        R.load_builtin("sm90")
+    assert "test-gpu" in str(e.value) and name in str(e.value)
+
+
+def test_a_matching_device_bucket_replaces_the_kernel(device, tmp_path, monkeypatch):
+    _device_dir(tmp_path, monkeypatch, BUCKET.format(name="bmm_m513_wide_n1024", m_lo=513))
+    device("test-gpu")
+    b = R.get_registry("sm90").lookup("bmm", "bf16", *QK_4000)
+    assert (b.name, b.tile, b.layer) == ("bmm_m513_wide_n1024", (128, 192, 64), 0)
+    assert b.direct is None  # the device's bucket, whole: it declared no direct kernel
+
+
+def test_audit_names_the_device_table(device, capsys):
+    from detgemm_cute import cli
+
+    device("nvidia-h200")
+    assert cli.main(["audit", "--arch", "sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "this device's kernels in 4 of them: " in out
+    assert "devices/nvidia-h200/sm90.yaml (bmm_m257_512_wide" in out
+    device("off")
+    assert cli.main(["audit", "--arch", "sm90"]) == 0
+    assert "this device's kernels" not in capsys.readouterr().out
