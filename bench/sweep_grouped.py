@@ -220,6 +220,9 @@ def main(argv=None) -> int:
               flush=True)
         rows.append(row)
         del sets
+        # a run stopped from outside keeps what it measured
+        write_records(args.out, names, rows, candidate_fields(names),
+                      seconds=round(time.time() - t0, 1))
     write_records(args.out, names, rows, candidate_fields(names),
                   seconds=round(time.time() - t0, 1))
     return 0

@@ -103,3 +103,22 @@ def gap_problem(op, dtype, gap, buckets):
 
 
 __all__ = ["coverage_gaps", "gap_problem", "fmt_range", "meet"]
+
+
+def overlap_problems(buckets) -> list[tuple]:
+    """(line, message, bucket label, field) for each bucket whose box meets an earlier one's
+    for the same op and a shared dtype (alternatives of one bucket share their box)."""
+    out = []
+    for i, b in enumerate(buckets):
+        for a in buckets[:i]:
+            shared = [d for d in a.dtypes if d in b.dtypes]
+            if a.op != b.op or not shared or (b.group and a.group == b.group):
+                continue
+            box = tuple(meet(getattr(a, d), getattr(b, d)) for d in _DIMS)
+            if None not in box:
+                field = next((d for d in _DIMS if getattr(a, d) != getattr(b, d)), "m")
+                where = ", ".join(f"{d.upper()} {fmt_range(r)}" for d, r in zip(_DIMS, box))
+                out.append((b.line, f"overlaps bucket {a.name!r} (line {a.line}) for op {b.op} "
+                                    f"dtype {'/'.join(shared)} at {where}",
+                            f"bucket {b.name!r}", field))
+    return out

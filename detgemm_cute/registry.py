@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from . import config_yaml, device_tables, wave_cost
-from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, meet as _meet
+from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, overlap_problems
 from .kernels.limits_common import config_label
 
 
@@ -494,28 +494,9 @@ def _parse_direct(raw, values, path, label, limits, probs: _Problems):
     return Bucket(source=path, line=d.line, layer=0, **v) if len(probs.lines) == mark else None
 
 
-def _boxes_meet(a: Bucket, b: Bucket):
-    """The (M, N, K) box two buckets share, or None."""
-    box = tuple(_meet(getattr(a, d), getattr(b, d)) for d in _DIMS)
-    return None if None in box else box
-
-
-def _box_text(box) -> str:
-    return ", ".join(f"{d.upper()} {fmt_range(r)}" for d, r in zip(_DIMS, box))
-
-
 def _check_overlaps(buckets, probs: _Problems):
-    for i, b in enumerate(buckets):
-        for a in buckets[:i]:
-            shared = [d for d in a.dtypes if d in b.dtypes]
-            if a.op != b.op or not shared or (b.group and a.group == b.group):
-                continue
-            box = _boxes_meet(a, b)
-            if box is not None:
-                field = next((d for d in _DIMS if getattr(a, d) != getattr(b, d)), "m")
-                probs.add(b.line, f"overlaps bucket {a.name!r} (line {a.line}) for op {b.op} "
-                                  f"dtype {'/'.join(shared)} at {_box_text(box)}",
-                          f"bucket {b.name!r}", field)
+    for line, msg, bucket, field in overlap_problems(buckets):
+        probs.add(line, msg, bucket, field)
 
 
 def _check_coverage(buckets, probs: _Problems):
