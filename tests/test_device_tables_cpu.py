@@ -143,3 +143,20 @@ def test_audit_names_the_device_table(device, capsys):
     device("off")
     assert cli.main(["audit", "--arch", "sm90"]) == 0
     assert "this device's kernels" not in capsys.readouterr().out
+
+
+def test_every_table_file_ships_in_the_wheel():
+    """pyproject's package data for the tables' package must match every YAML under
+    configs/, the device tables included (a wheel without them would run the family table)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["detgemm_cute.configs"]
+    files = [p.relative_to(root / "configs").as_posix() for p in (root / "configs").rglob("*.yaml")]
+    assert "devices/nvidia-h200/sm90.yaml" in files
+    for f in files:
+        assert any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
+                   for pat in patterns), f
