@@ -90,6 +90,6 @@ def replace_kernels(table, device):
                              "not replaced)"))
         elif (d.op, set(d.dtypes), d.m, d.n, d.k) != (b.op, set(b.dtypes), b.m, b.n, b.k):
             problems.append((d.line, d.name, f"op, dtypes and box must be the built-in "
-                             f"bucket's ({b.source}:{b.line})"))
+                             f"bucket's ({b.where})"))
     mine = {d.name: d for d in device}
     return tuple(mine.get(b.name, b) for b in table), problems
