@@ -6,7 +6,10 @@ geometric mean of each problem's times; torch.bmm's drift between the sides is t
     python bench/compare_bmm.py --a OFF.json.gz [OFF2...] --b ON.json.gz [ON2...] \\
         --labels "family table" "H200 table" --title "..." > ab.md
 
-Rows are grouped by the bucket side A ran. Needs no GPU.
+Rows are grouped by the bucket side A ran. `--same-as-a BUCKET[:direct] ...` gives side B side
+A's times on those rows (all of a bucket's, or with `:direct` those whose outputs the threads
+store), for a table that runs side A's kernel there but was timed before it did: the rows run
+the same kernel on both sides. Needs no GPU.
 """
 
 from __future__ import annotations
@@ -38,13 +41,26 @@ def load(paths) -> tuple[dict, dict]:
                 continue
             key = (r["kind"], r["L"], r["M"], r["K"], r["N"])
             e = seen.setdefault(key, {"table": [], "torch_bmm": [], "bucket": r["table"],
-                                      "bits": True})
+                                      "bits": True,
+                                      "direct": bool((r.get("layout") or {}).get("c_direct"))})
             e["table"].append(us["table"])
             e["torch_bmm"].append(us["torch_bmm"])
             e["bits"] = e["bits"] and bool(r.get("bits_ok"))
     out = {k: {**e, "table": geomean(e["table"]), "torch_bmm": geomean(e["torch_bmm"])}
            for k, e in seen.items()}
     return out, meta
+
+
+def same_as_a(a: dict, b: dict, specs) -> tuple[dict, int]:
+    """(b with a's times on the rows `specs` name ("BUCKET" or "BUCKET:direct"), rows taken)."""
+    wanted = [(sp.split(":")[0], sp.endswith(":direct")) for sp in specs]
+    out, n = dict(b), 0
+    for k, e in a.items():
+        if k in b and any(e["bucket"] == nm and (not direct or e["direct"])
+                          for nm, direct in wanted):
+            out[k] = {**b[k], "table": e["table"], "torch_bmm": e["torch_bmm"]}
+            n += 1
+    return out, n
 
 
 def report(a: dict, b: dict, labels, title: str, meta: dict) -> str:
@@ -96,13 +112,22 @@ def main(argv=None) -> int:
     p.add_argument("--b", nargs="+", required=True, help="records of side B")
     p.add_argument("--labels", nargs=2, default=("A", "B"), metavar=("A", "B"))
     p.add_argument("--title", default="bmm: two tables on the same problems")
+    p.add_argument("--same-as-a", nargs="+", default=(), metavar="BUCKET[:direct]",
+                   help="side B runs side A's kernel on these rows: take side A's times")
     args = p.parse_args(argv)
     try:
         a, meta = load(args.a)
         b, _ = load(args.b)
+        if args.same_as_a:
+            b, n = same_as_a(a, b, args.same_as_a)
+            if not n:
+                raise ValueError(f"--same-as-a {' '.join(args.same_as_a)}: no such rows")
         sys.stdout.write(report(a, b, args.labels, args.title, meta))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         print(f"compare_bmm: {e}", file=sys.stderr)
+        return 1
+    except KeyError as e:
+        print(f"compare_bmm: a record row lacks the field {e}", file=sys.stderr)
         return 1
     return 0
 

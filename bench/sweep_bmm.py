@@ -30,7 +30,7 @@ included).
 
     python bench/sweep_bmm.py --preset broad --jobs 14 --max-seconds 200 --out $OUT/bmm_broad.json
 
-`--seqs S,...` keeps the preset's problems at those sequence lengths; `--direct-only` times
+`--seqs S,...` keeps the problems (of any list) at those sequence lengths; `--direct-only` times
 the direct-store twins alone (for rows the threads store whatever the tile).
 
 `--preset pv` times 8 p @ v problems at unaligned S (`PV_PROBLEMS`) on the tiles of the
@@ -77,9 +77,9 @@ CANDIDATES = [
         # tile: wider tiles and multicast clusters read fewer per output.
         ((128, 256, 64), (1, 1), 3, True, False), ((128, 256, 64), (2, 1), 3, True, False),
         ((128, 128, 64), (2, 2), 4, True, False), ((128, 192, 64), (2, 1), 4, True, False),
-        # Wider still (H200, 2026-11-28: 128x256 on a 2x1 cluster led every aligned q @ k^T
-        # row at S >= 512): 256-row tiles (two warpgroups of 128 rows) read 1.17-1.5x the
-        # bytes they write.
+        # Wider still (H200, 2026-11-28: 128x256 on a 2x1 cluster was the fastest on 13 of
+        # the 25 aligned q @ k^T rows at S >= 512, within 2% on 20): 256-row tiles (two
+        # warpgroups of 128 rows) read 1.17-1.5x the bytes they write.
         ((128, 256, 64), (2, 1), 4, True, False), ((128, 256, 64), (1, 2), 3, True, False),
         ((256, 128, 64), (1, 1), 3, True, False), ((256, 128, 64), (1, 2), 3, True, False),
         ((256, 128, 64), (2, 1), 3, True, False), ((256, 192, 64), (1, 1), 3, True, False),
@@ -308,8 +308,8 @@ def parse_args(argv=None):
     p.add_argument("--direct", action="store_true", help="add direct-store twins")
     p.add_argument("--direct-only", action="store_true",
                    help="time the direct-store twins only (rows the threads store anyway)")
-    p.add_argument("--seqs", help="comma-separated sequence lengths: keep the preset's "
-                   "problems at these S only (e.g. the aligned ones TMA stores)")
+    p.add_argument("--seqs", help="comma-separated sequence lengths: keep the problems at "
+                   "these S only (e.g. the aligned ones TMA stores)")
     p.add_argument("--only", help="comma-separated substrings: keep the candidates whose "
                    "names contain one (e.g. 128x256x64_c2x1,128x128x64_c1x1_s4_p)")
     p.add_argument("--preset", choices=("models", "broad", "pv"), default="models",
@@ -327,14 +327,16 @@ def parse_args(argv=None):
 
 
 def problem_list(args) -> list:
-    """(label, L, S, head_dim) of the run, in order."""
+    """(label, L, S, head_dim) of the run, in order (with `--seqs`, those at its S only)."""
     if args.preset == "broad":
-        return [pr for pr in broad_problems() if not args.seqs or pr[2] in args.seqs]
-    if args.preset == "pv":
-        return list(PV_PROBLEMS)
-    if args.problems:
-        return [("given", *map(int, t.split(","))) for t in args.problems.split(";")]
-    return list(problems(MODELS[::3] if args.quick else MODELS, SEQS))
+        out = broad_problems()
+    elif args.preset == "pv":
+        out = list(PV_PROBLEMS)
+    elif args.problems:
+        out = [("given", *map(int, t.split(","))) for t in args.problems.split(";")]
+    else:
+        out = list(problems(MODELS[::3] if args.quick else MODELS, SEQS))
+    return [pr for pr in out if not args.seqs or pr[2] in args.seqs]
 
 
 def candidate_names(args, names) -> list[str]:

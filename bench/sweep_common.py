@@ -72,7 +72,9 @@ def write_records(out: str, names, rows, fields=None, **meta) -> None:
     record = {"meta": {**gpu.device_meta(), **meta}, "candidates": names, "rows": rows}
     if fields is not None:
         record["candidate_fields"] = fields
-    Path(out).write_text(json.dumps(record, indent=1))
+    tmp = Path(f"{out}.tmp")  # rewritten after every problem: a run killed mid-write keeps
+    tmp.write_text(json.dumps(record, indent=1))  # the previous complete file
+    tmp.replace(out)
 
 
 def probe_args(doc: str, argv=None):

@@ -102,9 +102,6 @@ def gap_problem(op, dtype, gap, buckets):
     return _DIMS[d], text
 
 
-__all__ = ["coverage_gaps", "gap_problem", "fmt_range", "meet"]
-
-
 def overlap_problems(buckets) -> list[tuple]:
     """(line, message, bucket label, field) for each bucket whose box meets an earlier one's
     for the same op and a shared dtype (alternatives of one bucket share their box)."""
@@ -122,3 +119,7 @@ def overlap_problems(buckets) -> list[tuple]:
                                     f"dtype {'/'.join(shared)} at {where}",
                             f"bucket {b.name!r}", field))
     return out
+
+
+__all__ = ["coverage_gaps", "gap_problem", "fmt_range", "meet", "overlap_problems"]
+

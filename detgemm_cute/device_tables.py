@@ -2,9 +2,10 @@
 
 Two GPUs of one kernel family can want different tiles for the same problem. An H100 and an
 H200 are both SM90 with 132 SMs, but the H200's memory is 1.4x faster: on output-bound
-q @ k^T (S = 1024..4096, TMA-stored rows) a 128x256 tile on a 2x1 cluster runs 1.2-1.3x
-faster there than the family table's 128x128 (bench/results/bmm-h200-table-ab_*), while on
-an H100 the 128x256 takes 1.1-1.25x the 128x128's time
+q @ k^T (S = 1024..4096, TMA-stored rows) a 128x256 tile on a 2x1 cluster runs 1.15x
+faster there (0.99-1.25x, 16 rows) than the family table's 128x128
+(bench/results/bmm-h200-table-ab_*), while on an H100 the 128x256 takes 1.1-1.25x the
+128x128's time
 (bench/results/tune/bmm_qk_cluster_nvidia-h100-*). A tile never changes bits (every kernel
 runs the same ascending K chain), so such a choice is speed only.
 
@@ -85,11 +86,18 @@ def replace_kernels(table, device):
     for d in device:
         b = by_name.get(d.name)
         if d.group or b is None or b.group:
-            problems.append((d.line, d.name, "a device table replaces the kernel of a plain "
-                             "bucket of the built-in table: no such bucket (alternatives are "
-                             "not replaced)"))
-        elif (d.op, set(d.dtypes), d.m, d.n, d.k) != (b.op, set(b.dtypes), b.m, b.n, b.k):
-            problems.append((d.line, d.name, f"op, dtypes and box must be the built-in "
-                             f"bucket's ({b.where})"))
+            what = ("is one of a bucket's alternatives" if d.group else
+                    "names a bucket with alternatives" if b is not None else
+                    "names no bucket of the built-in table")
+            problems.append((d.line, d.name, f"a device table replaces the kernel of a plain "
+                             f"built-in bucket; this one {what}"))
+        else:
+            differ = [f"{f} {getattr(d, f)} (built-in: {getattr(b, f)})"
+                      for f in ("op", "dtypes", "m", "n", "k")
+                      if (set(getattr(d, f)) if f == "dtypes" else getattr(d, f))
+                      != (set(getattr(b, f)) if f == "dtypes" else getattr(b, f))]
+            if differ:
+                problems.append((d.line, d.name, f"a device bucket keeps the built-in bucket's "
+                                 f"op, dtypes and box ({b.where}): {'; '.join(differ)}"))
     mine = {d.name: d for d in device}
     return tuple(mine.get(b.name, b) for b in table), problems

@@ -607,7 +607,7 @@ def _with_device_kernels(table: ConfigFile, device: ConfigFile) -> ConfigFile:
     if problems:
         probs = _Problems(device.path)
         for line, name, msg in problems:
-            probs.add(line, msg, name)
+            probs.add(line, msg, f"bucket {name!r}")
         raise ConfigError(device.path, probs.lines)
     return replace(table, buckets=buckets)
 
@@ -704,7 +704,7 @@ _lock = threading.RLock()
 _user_layers: list[ConfigFile] = []
 _env_read = False
 _registries: dict[str, Registry] = {}
-_builtins: dict[str, ConfigFile] = {}
+_builtins: dict[tuple, ConfigFile] = {}  # (arch, device table path or None) -> layer 0
 _generation = 0
 _listeners: list = []
 
@@ -784,9 +784,10 @@ def get_registry(arch: str) -> Registry:
         _read_env_once()
         reg = _registries.get(arch)
         if reg is None:
-            builtin = _builtins.get(arch)
+            key = (arch, device_tables.overlay_path(BUILTIN_DIR, arch))  # device detected again
+            builtin = _builtins.get(key)
             if builtin is None:
-                builtin = _builtins[arch] = load_builtin(arch)
+                builtin = _builtins[key] = load_builtin(arch)
             users = [f for f in _user_layers if f.arch == arch]
             reg = _registries[arch] = Registry(arch, [builtin] + users, _generation)
         return reg

@@ -2,7 +2,8 @@
 runs one of N disjoint parts of the selected tests (tests/shard.py).
 
 The on-disk kernel cache is off for the suite (tests that exercise it pass their own
-directory), so no run depends on, or leaves behind, libraries in the user's cache."""
+directory), so no run depends on, or leaves behind, libraries in the user's cache. Tests not
+marked `gpu` run with DETGEMM_CUTE_DEVICE_TABLE=off (the family tables on any machine)."""
 
 import os
 
@@ -10,12 +11,17 @@ import pytest
 
 os.environ.setdefault("DETGEMM_CUTE_AOT_DIR", "off")
 
+from detgemm_cute import device_tables
 from detgemm_cute import registry as R
 
 
 @pytest.fixture(autouse=True)
-def _clean_user_layers(monkeypatch):
+def _clean_user_layers(monkeypatch, request):
     monkeypatch.delenv(R.ENV_VAR, raising=False)
+    if request.node.get_closest_marker("gpu") is None:
+        # CPU tests check the family tables, whatever GPU the machine has; GPU tests run
+        # this device's table (configs/devices/), as users do.
+        monkeypatch.setenv(device_tables.ENV_VAR, device_tables.OFF)
     R.reset_user_configs()
     yield
     R.reset_user_configs()

@@ -48,3 +48,14 @@ def test_records_without_rows_and_disjoint_problems_fail_clearly(cb, tmp_path, c
     b = record(tmp_path, "b.json.gz", {("qk", 2000): 1.0})
     assert cb.main(["--a", a, "--b", b]) == 1
     assert "share no problem" in capsys.readouterr().err
+
+
+def test_same_as_a_takes_side_a_times_on_the_named_rows(cb, tmp_path, capsys):
+    a = record(tmp_path, "a.json.gz", {("qk", 1000): 125.0, ("pv", 1000): 80.0})
+    b = record(tmp_path, "b.json.gz", {("qk", 1000): 100.0, ("pv", 1000): 40.0})
+    assert cb.main(["--a", a, "--b", b, "--same-as-a", "bucket_pv"]) == 0
+    out = capsys.readouterr().out
+    assert "| pv | 1 | 1.250x | 1.250x | 1.000x |" in out  # side A's 80 us on both sides
+    assert "| qk | 1 | 0.800x | 1.000x | 1.250x |" in out
+    assert cb.main(["--a", a, "--b", b, "--same-as-a", "bucket_pv:direct"]) == 1
+    assert "no such rows" in capsys.readouterr().err  # no pv row was stored by the threads
