@@ -41,7 +41,7 @@ from pathlib import Path
 
 FLOOR = 0.9
 _LABEL = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
-DIRECT_TWIN = "+direct"
+DIRECT_TWIN = "+direct"  # sweep_bmm.DIRECT (not imported: this fit needs no torch)
 PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm", "staged")
 
 

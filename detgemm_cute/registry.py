@@ -585,9 +585,10 @@ def builtin_path(arch: str) -> Path:
     return BUILTIN_DIR / f"{arch}.yaml"
 
 
-def load_builtin(arch: str) -> ConfigFile:
+def load_builtin(arch: str, overlay="detect") -> ConfigFile:
     """The built-in table of an arch, with coverage checked, and this device's kernels in
-    place of the family's where it has a device table (`device_tables`)."""
+    place of the family's where it has a device table (`device_tables`; `overlay`: its path,
+    None for none, or "detect")."""
     limits_for(arch)  # unknown arch -> ValueError, missing family -> ArchNotAvailable
     path = builtin_path(arch)
     if not path.is_file():
@@ -596,7 +597,8 @@ def load_builtin(arch: str) -> ConfigFile:
             f"{show_path(path)} is missing; the installation is incomplete (reinstall "
             f"detgemm-cute)")
     table = load_config(path, complete=True, arch=arch, origin="built-in")
-    overlay = device_tables.overlay_path(BUILTIN_DIR, arch)
+    if overlay == "detect":
+        overlay = device_tables.overlay_path(BUILTIN_DIR, arch)
     if overlay is None:
         return table
     return _with_device_kernels(table, load_config(overlay, arch=arch, origin="device table"))
@@ -784,10 +786,10 @@ def get_registry(arch: str) -> Registry:
         _read_env_once()
         reg = _registries.get(arch)
         if reg is None:
-            key = (arch, device_tables.overlay_path(BUILTIN_DIR, arch))  # device detected again
-            builtin = _builtins.get(key)
+            overlay = device_tables.overlay_path(BUILTIN_DIR, arch)  # detected at each build
+            builtin = _builtins.get((arch, overlay))
             if builtin is None:
-                builtin = _builtins[key] = load_builtin(arch)
+                builtin = _builtins[(arch, overlay)] = load_builtin(arch, overlay)
             users = [f for f in _user_layers if f.arch == arch]
             reg = _registries[arch] = Registry(arch, [builtin] + users, _generation)
         return reg

@@ -27,8 +27,8 @@ the whole weight (it separates one 192-wide tile over M = 176 from two 112-wide 
 what a k-block costs more when the last tile along M is mostly padding (measured: a swapped
 64x160 tile over M = 176, one full tile and one of 16 rows, took 566 us on a 28672 x 8192
 weight, over M = 320, two full tiles, 291 us; tune_raster_pool_* of 2026-11-25, in git at
-7b3a174; the SM90 kernels have since moved a ragged last tile back inside the edge, which removed most
-of that cost, and tables fitted on later timings find a smaller c5). The
+7b3a174; the SM90 kernels have since moved a ragged last tile back inside the edge, which
+removed most of that cost, and tables fitted on later timings find a smaller c5). The
 coefficients (`cost: [c0, ..., c5]`, microseconds, all >= 0; a shorter cost has the missing
 ones 0) are fitted per alternative to its timings (`detgemm_cute.tune.choice`).
 """

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
+
+from .. import device_tables
 
 
 def device_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (safe for file names)."""
-    s = re.sub(r"[^a-z0-9]+", "-", str(name).lower()).strip("-")
-    return s or "unknown-device"
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (safe for file names): the slug
+    the device tables are found by (`device_tables.slug`)."""
+    return device_tables.slug(name) or "unknown-device"
 
 
 def fmt_num(v, fmt: str = "{:.1f}", none: str = "-") -> str:

@@ -389,8 +389,8 @@ class Sm90Base(EpilogueStores):
         forward's cluster kernels whose tile count along a cluster dimension is not a
         multiple of the cluster ran 1.14x faster (geomean, up to 2.3x) after this change
         (tune_fwd_small_* of 2026-11-27, bench/results/README.md). 0 when the extent is
-        shorter than a tile, and with `accumulate` (dW +=), where a row computed twice would read C after the
-        other tile had stored it."""
+        shorter than a tile, and with `accumulate` (dW +=), where a row computed twice would
+        read C after the other tile had stored it."""
         off = cutlass.Int32(0)
         if cutlass.const_expr(not self.accumulate):
             if extent >= size:
