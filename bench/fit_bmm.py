@@ -14,7 +14,9 @@ bucket:
    geomean by `--min-gain`;
 3. where the bucket has rows of both kinds, the rows whose outputs the tile's threads store
    (the table's kernel ran them `c_direct`) get their own candidate, the bucket's `direct`
-   kernel, and the others decide steps 1-2 (the box cannot tell the two kinds apart).
+   kernel, and the others decide steps 1-2 (the box cannot tell the two kinds apart);
+   where the threads store some rows 8 bytes at a time (`c_align` 8) and others element by
+   element, and the two want different kernels, the 8-byte ones get `direct_vector`.
 
 A bucket whose choice beats the current table's kernel (its `table` time, else the
 candidate with the table's kernel) by `--min-gain`, or lifts rows over the floor, goes into
@@ -43,6 +45,7 @@ FLOOR = 0.9
 _LABEL = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_s(\d+)(_p)?(_pingpong)?$")
 DIRECT_TWIN = "+direct"  # sweep_bmm.DIRECT (not imported: this fit needs no torch)
 PEERS = ("torch_bmm", "table", "stage_copy", "aligned_gemm", "staged")
+DIRECT_FIELDS = ("direct", "direct_vector")  # registry.DIRECT_FIELDS
 
 
 def kernel_fields(name: str) -> dict:
@@ -175,16 +178,29 @@ def thread_stored(r) -> bool:
     return bool((r.get("layout") or {}).get("c_direct"))
 
 
+def vector_stored(r) -> bool:
+    """... 8 bytes at a time (`c_align` 8): the bucket's `direct_vector` kernel, if any."""
+    return thread_stored(r) and (r.get("layout") or {}).get("c_align") == 8
+
+
+def _direct_of(bucket, r):
+    """The bucket's kernel for row `r` as the table runs it (`Bucket.direct_kernel`)."""
+    if not thread_stored(r):
+        return bucket
+    pick = getattr(bucket, "direct_kernel", None)
+    own = pick(8 if vector_stored(r) else 0) if pick else getattr(bucket, "direct", None)
+    return own or bucket
+
+
 def current_speeds(rows, bucket):
     """The table's speeds on `rows`: its `table` timing, else the candidate with its kernel
     (per row: the bucket's `direct` kernel on thread-stored rows, where it has one)."""
     v = speeds(rows, "table")
     if v:
         return v, "table"
-    direct = getattr(bucket, "direct", None)
     out, used = [], set()
     for r in rows:
-        want = bucket_fields(direct if direct is not None and thread_stored(r) else bucket)
+        want = bucket_fields(_direct_of(bucket, r))
         nm = next((nm for nm in candidates_of([r]) if kernel_fields(nm) == want), None)
         if nm is None:
             return None, None
@@ -193,7 +209,7 @@ def current_speeds(rows, bucket):
     return out, " + ".join(sorted(used))
 
 
-def _yaml_bucket(name, b, lo, hi, fields, note, direct=None) -> list[str]:
+def _yaml_bucket(name, b, lo, hi, fields, note, directs=()) -> list[str]:
     rng = lambda r: f"[{r[0]}, {'null' if r[1] is None else r[1]}]"  # noqa: E731
     lines = [f"  - name: {name}", "    op: bmm", f"    dtypes: [{', '.join(b.dtypes)}]",
              f"    m: {rng((lo, hi))}", f"    n: {rng(b.n)}", f"    k: {rng(b.k)}",
@@ -202,9 +218,9 @@ def _yaml_bucket(name, b, lo, hi, fields, note, direct=None) -> list[str]:
              f"    persistent: {str(fields['persistent']).lower()}"]
     if fields.get("pingpong"):
         lines.append("    pingpong: true")
-    if direct:
-        lines.append(f"    direct: {{tile: {direct['tile']}, stages: {direct['stages']}, "
-                     f"persistent: {str(direct['persistent']).lower()}}}")
+    for field, d in directs:
+        lines.append(f"    {field}: {{tile: {d['tile']}, stages: {d['stages']}, "
+                     f"persistent: {str(d['persistent']).lower()}}}")
     return lines + [f"    note: {json.dumps(note)}"]
 
 
@@ -226,41 +242,103 @@ def _short(nm) -> str:
     return nm.split(".", 1)[-1]
 
 
+def _own_directs(b) -> list:
+    """The bucket's own direct kernels, kept as they are: [(field, fields, label, [])]."""
+    return [(f, bucket_fields(d), "the bucket's own", []) for f in DIRECT_FIELDS
+            for d in [getattr(b, f, None)] if d is not None]
+
+
+def _ran(b, width):
+    """The kernel fields the bucket's rows the threads store `width` bytes at a time (8,
+    else 0: element by element) ran: its `direct_kernel`, else its own tile."""
+    pick = getattr(b, "direct_kernel", None)
+    return bucket_fields((pick(width) if pick else getattr(b, "direct", None)) or b)
+
+
+def _same_kernel(f, g) -> bool:
+    """Two kernels as thread-stored rows run them (no cluster: `batched.plan_key`)."""
+    return all(f.get(k) == g.get(k) for k in ("tile", "stages", "persistent"))
+
+
+def _keep_untimed(b, threads, directs) -> list:
+    """`directs` plus, for each store width that no row of `threads` has, the kernel its
+    rows ran before, where the fitted bucket would run another one (or its tile): a fit
+    changes the kernel of the widths it timed only."""
+    widths = {8 if vector_stored(r) else 0 for r in threads}
+    out = list(directs)
+    for width, field in ((0, "direct"), (8, "direct_vector")):
+        have = {f: fields for f, fields, *_ in out}
+        after = have.get(field) or (have.get("direct") if width == 8 else None)
+        before = _ran(b, width)
+        if width not in widths and (after is None or not _same_kernel(before, after)):
+            out.append((field, before, "the bucket's own", []))
+    return sorted(out, key=lambda d: DIRECT_FIELDS.index(d[0]))
+
+
+def _direct_picks(threads):
+    """([(field, fields, label, speeds)], rows in the picks' order) for thread-stored rows:
+    one kernel for all (`direct`, or `direct_vector` where every row is stored 8 bytes at a
+    time), or, where the rows stored 8 bytes at a time and those stored element by element
+    want different kernels and that scores better, `direct` for the latter and
+    `direct_vector` for the former; (None, []) without a candidate."""
+    one = best_candidate(threads, _direct_ok)
+    if one is None:
+        return None, []
+    vec = [r for r in threads if vector_stored(r)]
+    elem = [r for r in threads if not vector_stored(r)]
+    field = "direct_vector" if not elem else "direct"
+    best = ([(field, kernel_fields(one[0]), _short(one[0]), one[1])], threads)
+    if vec and elem:
+        pe, pv = best_candidate(elem, _direct_ok), best_candidate(vec, _direct_ok)
+        if pe and pv and pe[0] != pv[0] and score(pe[1] + pv[1]) > score(
+                [one[1][threads.index(r)] for r in elem + vec]):
+            best = ([("direct", kernel_fields(pe[0]), _short(pe[0]), pe[1]),
+                     ("direct_vector", kernel_fields(pv[0]), _short(pv[0]), pv[1])],
+                    elem + vec)
+    return best
+
+
+def _speeds_of(fit) -> list:
+    """Every row's speed of a fit (parts, directs, order), in `order`."""
+    return [x for *_, v in fit[0] for x in v] + [x for *_, v in fit[1] for x in v]
+
+
 def fit_rows(b, rows, splits, min_gain):
-    """The fit of bucket `b` on its `rows`: (parts, direct, order) or None, where parts are
-    (m_lo, m_hi, kernel fields, label, speeds) along M, direct is (fields, label, speeds) or
-    None, and order lists the rows as the parts' speeds then direct's run.
+    """The fit of bucket `b` on its `rows`: (parts, directs, order) or None, where parts are
+    (m_lo, m_hi, kernel fields, label, speeds) along M, directs are (field, kernel fields,
+    label, speeds) for the bucket's `direct` / `direct_vector`, and order lists the rows as
+    the parts' speeds then the directs' run.
 
     Thread-stored rows (`thread_stored`) and TMA-stored ones favour different tiles and the
     box cannot tell them apart. Where the bucket has thread-stored rows next to TMA-stored
-    ones or a `direct` kernel already, they get their own pick (`direct`; the bucket's tile
-    then has no ping-pong, whose threads store no outputs) and the rest fit the bucket's
-    tile; that is kept where it scores at least as well as one fit over all rows. A bucket
-    whose rows are all TMA-stored keeps its `direct`."""
+    ones or a direct kernel already, they get their own pick (`_direct_picks`; the
+    bucket's tile then has no ping-pong, whose threads store no outputs) and the rest fit
+    the bucket's tile; that is kept where it scores at least as well as one fit over all
+    rows. A store width no row has keeps the kernel it ran (`_keep_untimed`), so a bucket
+    whose rows are all TMA-stored keeps its direct kernels."""
     threads = [r for r in rows if thread_stored(r)]
     tma = [r for r in rows if not thread_stored(r)]
-    own = getattr(b, "direct", None)
+    own = getattr(b, "direct", None) or getattr(b, "direct_vector", None)
     plain = fit_bucket(rows, b.m[0], b.m[1], splits, min_gain,
                        ok=_direct_ok if own is not None and not threads else None)
     one = None if not plain else (
         [(lo, hi, kernel_fields(nm), _short(nm), v) for lo, hi, nm, v in plain],
-        None if own is None or threads else (bucket_fields(own), "the bucket's own", []),
+        _keep_untimed(b, threads, []) if threads else _own_directs(b),
         [r for lo, hi, *_ in plain for r in rows if lo <= r["M"] <= (hi or r["M"])])
     if not threads or not (tma or own is not None):
         return one
-    pick = best_candidate(threads, _direct_ok)
+    picks, picked_rows = _direct_picks(threads)
     if tma:
         main = fit_bucket(tma, b.m[0], b.m[1], splits, min_gain, ok=_direct_ok)
         parts = [(lo, hi, kernel_fields(nm), _short(nm), v) for lo, hi, nm, v in main]
     else:
         parts = [(b.m[0], b.m[1], bucket_fields(b), "the bucket's own tile", [])]
-    if pick is None or not parts or b.pingpong and not tma:
+    if picks is None or not parts or b.pingpong and not tma:
         return one
-    split = (parts, (kernel_fields(pick[0]), _short(pick[0]), pick[1]),
+    split = (parts, _keep_untimed(b, threads, picks),
              [r for lo, hi, *_ in parts for r in tma if lo <= r["M"] <= (hi or r["M"])]
-             + threads)
-    speeds_of = lambda f: [x for *_, v in f[0] for x in v] + (f[1][2] if f[1] else [])  # noqa: E731
-    return split if one is None or score(speeds_of(split)) >= score(speeds_of(one)) else one
+             + picked_rows)
+    return split if one is None or score(_speeds_of(split)) >= score(_speeds_of(one)) else one
 
 
 def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print):
@@ -277,11 +355,11 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
         got = fit_rows(b, brows, splits, min_gain)
         if got is None:
             out(f"{name}: {len(brows)} rows, no candidate timed on all of them"
-                + (" that keeps the bucket's direct kernel (not ping-pong)"
-                   if getattr(b, "direct", None) is not None else ""))
+                + (" that keeps the bucket's direct kernels (not ping-pong)"
+                   if any(getattr(b, f, None) is not None for f in DIRECT_FIELDS) else ""))
             continue
-        parts, direct, order = got
-        new = [x for *_, v in parts for x in v] + (direct[2] if direct else [])
+        parts, directs, order = got
+        new = [x for *_, v in parts for x in v] + [x for *_, v in directs for x in v]
         cur, how = current_speeds(order, b)
         take = cur is not None and better(new, cur, min_gain)
         before += cur or []
@@ -294,11 +372,12 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
         for lo, hi, fields, label, v in parts:
             out(f"  M {lo}..{hi or 'inf'}: {label} " + (
                 f"{geomean(v):.3f}x on {len(v)}" if v else "(no rows TMA stores: kept)")
-                + (" (outputs TMA stores)" if direct else ""))
-        if direct:
-            out(f"  direct (outputs the threads store): {direct[1]} " + (
-                f"{geomean(direct[2]):.3f}x on {len(direct[2])}" if direct[2] else
-                "(no rows the threads store: kept)"))
+                + (" (outputs TMA stores)" if directs else ""))
+        for field, _, label, v in directs:
+            out(f"  {field} (outputs the threads store"
+                f"{' 8 bytes at a time' if field != 'direct' else ''}): {label} " + (
+                    f"{geomean(v):.3f}x on {len(v)}" if v else
+                    "(no such rows timed: kept)"))
         for i, r in enumerate(order):
             v = (new if take or cur is None else cur)[i]
             if v < FLOOR:
@@ -313,11 +392,14 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
                 note = f"fit_bmm on {device}: {label} " + (
                     f"{geomean(v):.3f}x torch.bmm on {len(v)} attention rows (worst "
                     f"{min(v):.2f}x)" if v else "(no rows TMA stores)")
-                if direct and direct[2]:
-                    note += (f"; direct {direct[1]} {geomean(direct[2]):.3f}x on "
-                             f"{len(direct[2])} rows the threads store")
-                lines += _yaml_bucket(nm_out, b, lo, hi, fields, note,
-                                      direct[0] if direct else None)
+                for field, _, dlabel, dv in directs:
+                    if dv:
+                        note += (f"; {field} {dlabel} {geomean(dv):.3f}x on {len(dv)} rows "
+                                 f"the threads store"
+                                 f"{' 8 bytes at a time' if field != 'direct' else ''}")
+                lines += _yaml_bucket(nm_out, b, lo, hi, fields, note,  # a ping-pong
+                                      [] if fields.get("pingpong") else  # tile's threads
+                                      [(f, d) for f, d, *_ in directs])  # store nothing
     if before:
         out(f"all rows with a table timing: {geomean(before):.3f}x torch.bmm, "
             f"{sum(x < FLOOR for x in before)} of {len(before)} below {FLOOR}; fitted "

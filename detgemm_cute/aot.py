@@ -175,8 +175,8 @@ def _direct_aligns(call: dict) -> tuple:
 def _bucket_keys(bucket, arch: str, which: str):
     """(call, kernel key) for each variant of `bucket` that `which` covers; "all" adds the
     direct-store twin of each key whose outputs at an unaligned width the kernel's threads
-    store (`gemm.stores_direct`; bmm's as its plans run them: the bucket's `direct` kernel,
-    `batched.plan_key`) and, for
+    store (`gemm.stores_direct`; bmm's as its plans run them: the bucket's `direct` or
+    `direct_vector` kernel, `batched.plan_key`) and, for
     bmm, the twin that reads a K-major A of unaligned rows with the producer warpgroup
     (`batched.reads_a_rows`), so a warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
@@ -189,8 +189,9 @@ def _bucket_keys(bucket, arch: str, which: str):
                      or call["dtype"] == "tf32")  # grouped_k stores like a plain GEMM
         if which == "all" and stores_direct(family, bucket, plain):
             for align in _direct_aligns(call):
-                twin = kcompile.KernelKey.for_bucket(bucket.direct or bucket, arch=arch,
-                                                     c_direct=True, c_align=align, **call)
+                own = bucket.direct_kernel(align) or bucket
+                twin = kcompile.KernelKey.for_bucket(own, arch=arch, c_direct=True,
+                                                     c_align=align, **call)
                 yield ({**call, "c_direct": True, "c_align": align},
                        plan_key(twin) if call.get("batched") else twin)
         if (which == "all" and bucket.op == "bmm" and plain and call["a_major"] == "k"

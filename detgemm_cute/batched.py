@@ -88,14 +88,18 @@ class _Plan:
 def kernel_layout(a, b, bias, out_dtype, bucket):
     """How `bucket` runs this call: (KernelKey, stage_a, stage_b, pad_cols). Outputs the
     tile's threads store run the bucket's `direct` kernel where it has one (their epilogue
-    favours other tiles than TMA stores do). Benchmarks use it to compile a sweep's kernels
-    ahead, in parallel."""
+    favours other tiles than TMA stores do), and its `direct_vector` kernel where they store
+    8 bytes at a time (`direct_align`; on an H200 a 128x256 tile ran such q @ k^T rows
+    1.17-1.23x faster than a 64x256 but element-stored ones 0.72-0.75x as fast,
+    bench/results/tune/bmm_qk_direct_nvidia-h200.json.gz). Benchmarks use it to compile a
+    sweep's kernels ahead, in parallel."""
     dtype = TF32 if a.dtype == torch.float32 else _NAMES[a.dtype]
     arch = arch_of(a.device)
     c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
                                      half_sectors=True)
-    if c_direct and bucket.direct is not None:  # the bucket's kernel for such outputs
-        bucket = bucket.direct
+    own = bucket.direct_kernel(direct_align(c_direct, b.shape[2], out_dtype)) if c_direct else None
+    if own is not None:  # the bucket's kernel for such outputs
+        bucket = own
         c_direct, pad_cols = output_rows(arch, bucket, b.shape[2], out_dtype, dtype != TF32,
                                          half_sectors=True)
     a_unit, b_unit = _inner_unit(a), _inner_unit(b)

@@ -148,12 +148,13 @@ class Explanation:
             f"{str(b.persistent).lower()}{', ping-pong' if b.pingpong else ''}"
             f"{', operands swapped (C^T = B A^T)' if b.swap_ab else ''}",
         ]
-        if b.direct is not None:
-            d = b.direct
-            lines.append(f"  direct:  outputs the tile's threads store (rows TMA cannot address "
-                         f"or would store as half sectors) run tile {'x'.join(map(str, d.tile))}"
-                         f", stages {d.stages}, persistent {str(d.persistent).lower()}, no "
-                         f"cluster")
+        for d, which in ((b.direct, ""), (b.direct_vector, " 8 bytes at a time")):
+            if d is not None:
+                lines.append(
+                    f"  {'direct:' if not which else 'vector:'}  outputs the tile's threads "
+                    f"store{which} (rows TMA cannot address or would store as half sectors) "
+                    f"run tile {'x'.join(map(str, d.tile))}, stages {d.stages}, persistent "
+                    f"{str(d.persistent).lower()}, no cluster")
         if b.note:
             lines.append(f"  note:    {b.note}")
         for alt, us in self.predicted:

@@ -73,14 +73,16 @@ _TOP_KEYS = ("arch", "buckets")
 _REQUIRED = ("name", "op", "dtypes", "m", "tile", "stages")
 _DEFAULTS = {"n": (1, None), "k": (1, None), "cluster": (1, 1), "persistent": False,
              "pingpong": False, "swap_ab": False, "raster_n": False, "note": ""}
-_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms", "direct")
+# A bmm bucket's kernels for calls whose outputs the tile's threads store (rows TMA cannot
+# address or would store as half sectors; `batched`): `direct`, and `direct_vector` for
+# those whose threads store 8 bytes at a time (`gemm.direct_align`; `direct` where unset).
+# Such calls run without a multicast cluster (`batched.plan_key`), so these have none.
+DIRECT_FIELDS = ("direct", "direct_vector")
+_BUCKET_KEYS = _REQUIRED + tuple(_DEFAULTS) + ("alternatives", "sms") + DIRECT_FIELDS
 _DIMS = ("m", "n", "k")
 # Keys of one entry of `alternatives` (the kernel fields of a bucket, plus its cost).
 _KERNEL_KEYS = ("tile", "cluster", "stages", "persistent", "pingpong", "swap_ab", "raster_n")
 _ALT_KEYS = _KERNEL_KEYS + ("cost",)
-# Keys of a bmm bucket's `direct`: the kernel its calls run where the tile's threads store
-# the outputs (rows TMA cannot address or would store as half sectors; `batched`). Such
-# calls run without a multicast cluster (`batched.plan_key`), so it has none.
 _DIRECT_KEYS = ("tile", "stages", "persistent")
 
 
@@ -127,6 +129,14 @@ class Bucket:
     cost: tuple = ()  # wave-cost coefficients in us (alternatives only, see wave_cost.py)
     sms: int = 0  # the SM count the costs were measured on (alternatives only)
     direct: "Bucket | None" = None  # bmm: the kernel of calls whose outputs the threads store
+    direct_vector: "Bucket | None" = None  # ... 8 bytes at a time (`direct` where None)
+
+    def direct_kernel(self, c_align: int) -> "Bucket | None":
+        """bmm: the kernel of calls whose outputs the tile's threads store `c_align` bytes at
+        a time (`gemm.direct_align`: 8, else 0 = element by element); None: the bucket's."""
+        if c_align == 8 and self.direct_vector is not None:
+            return self.direct_vector
+        return self.direct
 
     def contains(self, m: int, n: int, k: int) -> bool:
         return _in(m, self.m) and _in(n, self.n) and _in(k, self.k)
@@ -152,7 +162,8 @@ class ConfigFile:
 
     def with_layer(self, layer: int) -> "ConfigFile":
         return replace(self, layer=layer, buckets=tuple(
-            replace(b, layer=layer, direct=b.direct and replace(b.direct, layer=layer))
+            replace(b, layer=layer, **{f: replace(getattr(b, f), layer=layer)
+                                       for f in DIRECT_FIELDS if getattr(b, f) is not None})
             for b in self.buckets))
 
 
@@ -437,7 +448,7 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
     if "sms" in raw and not choice:
         probs.add(key_lines["sms"], "sms belongs to a bucket with alternatives", label, "sms")
     values = dict(_DEFAULTS)
-    skip = ("alternatives", "sms", "direct") + (_KERNEL_KEYS if choice else ())
+    skip = ("alternatives", "sms") + DIRECT_FIELDS + (_KERNEL_KEYS if choice else ())
     for key in _BUCKET_KEYS:
         if key in raw and key not in skip:
             v, err = _check_field(key, raw[key])
@@ -451,43 +462,46 @@ def _parse_bucket(raw, index: int, path: Path, limits, probs: _Problems) -> list
         if name in values["dtypes"] and values["op"] not in ops:
             probs.add(key_lines.get("dtypes", line), f"op {values['op']} has no {name} kernel; "
                       f"{name} buckets serve {', '.join(ops)}", label, "dtypes")
-    direct = _parse_direct(raw, values, path, label, limits, probs) if "direct" in raw else None
+    directs = {f: _parse_direct(raw, f, values, path, label, limits, probs)
+               for f in DIRECT_FIELDS if f in raw}
     if choice:
         return _parse_alternatives(raw, values, path, label, limits, probs)
     _check_kernel(values, key_lines, line, label, limits, probs)
     if len(probs.lines) != before:
         return []
-    return [Bucket(source=path, line=line, layer=0, direct=direct, **values)]
+    return [Bucket(source=path, line=line, layer=0, **directs, **values)]
 
 
-def _parse_direct(raw, values, path, label, limits, probs: _Problems):
-    """The Bucket of a bmm bucket's `direct` kernel (its box, its own tile), or None."""
-    d, line, where = raw["direct"], raw.key_lines.get("direct", raw.line), f"{label} direct"
+def _parse_direct(raw, field, values, path, label, limits, probs: _Problems):
+    """The Bucket of a bmm bucket's `direct` or `direct_vector` kernel (its box, its own
+    tile), or None."""
+    d, line, where = raw[field], raw.key_lines.get(field, raw.line), f"{label} {field}"
     if values["op"] != "bmm" or "alternatives" in raw:
-        probs.add(line, "direct (the kernel of calls whose outputs the tile's threads store) "
-                  "belongs to an op bmm bucket without alternatives", label, "direct")
+        probs.add(line, f"{field} (the kernel of calls whose outputs the tile's threads store"
+                  f"{' 8 bytes at a time' if field != 'direct' else ''}) belongs to an op bmm "
+                  f"bucket without alternatives", label, field)
         return None
     why = ("this kernel family stores no output by the tile's threads"
            if not getattr(limits, "DIRECT_STORE", False) else
            "a ping-pong tile's threads store no outputs (their accumulators leave no registers "
-           "for the addresses), so direct would never run" if values["pingpong"] is True
+           f"for the addresses), so {field} would never run" if values["pingpong"] is True
            else None)
     if why:
-        probs.add(line, why, label, "direct")
+        probs.add(line, why, label, field)
         return None
     if not isinstance(d, dict):
-        probs.add(line, f"direct must be a mapping with keys {', '.join(_DIRECT_KEYS)}, got "
-                  f"{d!r}", label, "direct")
+        probs.add(line, f"{field} must be a mapping with keys {', '.join(_DIRECT_KEYS)}, got "
+                  f"{d!r}", label, field)
         return None
     mark = len(probs.lines)
     _unknown_keys(d, _DIRECT_KEYS, d.line, where, probs)
     v = _entry_fields(d, _DIRECT_KEYS, ("tile", "stages"), dict(
         values, cluster=(1, 1), persistent=False, pingpong=False, swap_ab=False,
-        raster_n=False, name=f"{values['name']}.direct", note=""), where, probs)
+        raster_n=False, name=f"{values['name']}.{field}", note=""), where, probs)
     for key, key_line in d.repeated:
         probs.add(key_line, "given more than once", where, key)
     if len(probs.lines) == mark and v["tile"][0] < 64:
-        probs.add(d.key_lines.get("tile", d.line), f"direct tiles have BM >= 64 (a row tile's "
+        probs.add(d.key_lines.get("tile", d.line), f"{field} tiles have BM >= 64 (a row tile's "
                   f"threads store no outputs), got {list(v['tile'])}", where, "tile")
     if len(probs.lines) == mark:
         _check_kernel(v, d.key_lines, d.line, where, limits, probs)

@@ -18,8 +18,10 @@ def _dims(r) -> str:
 
 def _row(b: reg.Bucket) -> tuple[str, ...]:
     return (b.name, b.op, ",".join(b.dtypes), _dims(b.m), _dims(b.n), _dims(b.k),
-            "x".join(map(str, b.tile)) + (f" (direct {'x'.join(map(str, b.direct.tile))})"
-                                          if b.direct is not None else ""),
+            "x".join(map(str, b.tile)) + "".join(
+                f" ({label} {'x'.join(map(str, d.tile))})"
+                for d, label in ((b.direct, "direct"), (b.direct_vector, "vector"))
+                if d is not None),
             "x".join(map(str, b.cluster)), str(b.stages),
             (("ping-pong" if b.pingpong else "yes") if b.persistent else "no")
             + (", swap" if b.swap_ab else ""), b.where, b.layer_label)
@@ -46,8 +48,9 @@ def audit_one(arch: str, extra: list, out) -> None:
             f"{reg.show_path(f.path)} [{f.origin}], {len(f.buckets)} buckets")
         device = [b for b in f.buckets if f.layer == 0 and b.source != f.path]
         if device:
-            out(f"    this device's kernels in {len(device)} of them: "
-                f"{reg.show_path(device[0].source)} ({', '.join(b.name for b in device)})")
+            names = list(dict.fromkeys(b.group or b.name for b in device))
+            out(f"    this device's kernels in {len(names)} of them: "
+                f"{reg.show_path(device[0].source)} ({', '.join(names)})")
     out("")
     out(format_table(r.buckets))
     out("")

@@ -218,7 +218,7 @@ def _call_tags(item) -> None:
                 and gemm.stores_direct(item.family, b, plain=True)):
             item.tags.add("direct-store")
         if (c.kind == "bmm" and sixteen and gemm.direct_align(
-                gemm.output_rows(item.family, b.direct or b, n, torch.bfloat16, True,
+                gemm.output_rows(item.family, b.direct_kernel(8) or b, n, torch.bfloat16, True,
                                  half_sectors=True)[0], n, torch.bfloat16)):
             item.tags.add("direct-store-8b")  # 8 bytes a store (`c_align`)
         if c.kind in ("linear", "input_grad", "bmm") and sixteen and d["K"] % 8:

@@ -141,6 +141,23 @@ def test_fit_recovers_coefficients_and_keeps_floors():
     assert got[1] == pytest.approx(0.9) and min(g - f for g, f in zip(got, floor)) >= 0
 
 
+def test_fitted_costs_are_the_ones_a_table_writes():
+    """fit_all rounds each coefficient as `bucket_yaml` writes it (4 significant digits), so
+    the picks selection and tune-fit's report score are the written table's: kernels whose
+    fits sit on their floors predict proportional times, and unrounded ties broke another
+    way than the written costs did (an H200 fwd_mid_narrow fit reported 0.959x Lt that its
+    YAML ran at 0.932x)."""
+    fields = {"a": {"tile": [128, 128, 64]}, "b": {"tile": [64, 64, 128]}}
+    pts = [Point(m, n, k, {"a": 10.0 + m / 97, "b": 11.0 + k / 89})
+           for m, n, k in [(512, 4096, 4096), (640, 2048, 8192), (800, 8192, 1024)] * 3]
+    costs = choice.fit_all(pts, fields, 132, 8)
+    for cost in costs.values():
+        assert cost == tuple(float(f"{c:.4g}") for c in cost)
+    lines = choice.bucket_yaml("x", "fwd", ["bf16"], ((512, 1535), (1, None), (1, None)), 132,
+                               list(costs), costs, fields)
+    assert all(str(list(costs[n])[1]) in "".join(lines) for n in costs)
+
+
 def test_select_and_cross_validate_pick_the_faster_kernel():
     fields = {"big": {"tile": [128, 256, 64]}, "small": {"tile": [64, 64, 128]}}
     pts = []

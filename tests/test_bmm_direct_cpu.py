@@ -179,3 +179,86 @@ def test_warmup_twins_and_explain_show_the_direct_kernel():
 
     listing = tables.format_table([bucket]).splitlines()[1]
     assert "128x128x64 (direct 64x256x64)" in listing
+
+
+def test_direct_vector_loads_and_explain_and_listing_show_it(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(_bmm_bucket("    direct: {tile: [64, 256, 64], stages: 4, persistent: true}\n"
+                                "    direct_vector: {tile: [128, 256, 64], stages: 3, "
+                                "persistent: true}\n"))
+    (b,) = R.add_config(path).buckets
+    v = b.direct_vector
+    assert (v.name, v.tile, v.cluster, v.stages) == ("q.direct_vector", (128, 256, 64), (1, 1), 3)
+    assert b.direct_kernel(8) is v and b.direct_kernel(0) is b.direct
+    text = str(dispatch.explain("bmm", "bf16", "sm90", 100, 100, 100))
+    assert "vector:  outputs the tile's threads store 8 bytes at a time" in text
+    from detgemm_cute import tables
+
+    assert "128x128x64 (direct 64x256x64) (vector 128x256x64)" in tables.format_table([b])
+    only = tmp_path / "only.yaml"
+    only.write_text(_bmm_bucket("    direct_vector: {tile: [128, 256, 64], stages: 3}\n")
+                    .replace("name: q", "name: r"))
+    (r,) = R.add_config(only).buckets
+    assert r.direct is None and r.direct_kernel(0) is None and r.direct_kernel(8).tile[1] == 256
+
+
+@pytest.mark.parametrize("op, extra, words", [
+    ("fwd", "    direct_vector: {tile: [128, 256, 64], stages: 3}\n",
+     "bucket 'q': field 'direct_vector': direct_vector .*8 bytes at a time.* belongs to an op "
+     "bmm bucket"),
+    ("bmm", "    direct_vector: {tile: [32, 256, 64], stages: 4}\n",
+     r"bucket 'q' direct_vector: field 'tile': direct_vector tiles have BM >= 64"),
+    ("bmm", "    pingpong: true\n    direct_vector: {tile: [64, 256, 64], stages: 4}\n",
+     "field 'direct_vector': a ping-pong tile's threads store no outputs .*so direct_vector "
+     "would never run"),
+    ("bmm", "    direct_vector: {tile: [64, 256, 64], stages: 4, cluster: [2, 1]}\n",
+     "bucket 'q' direct_vector: field 'cluster': unknown key"),
+])
+def test_a_bad_direct_vector_is_refused_naming_the_bucket_and_field(tmp_path, op, extra, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(_bmm_bucket(extra, op=op))
+    with pytest.raises(R.ConfigError, match=words):
+        R.add_config(path)
+
+
+@pytest.mark.parametrize("s, d, bucket, tile, align", [
+    (1500, 128, "bmm_m513_wide_n1024", (128, 256, 64), 8),   # 8-byte stores: direct_vector
+    (3000, 80, "bmm_m513_wide_n1024_k65_112", (128, 256, 64), 8),
+    (1000, 64, "bmm_k1_64", (128, 256, 64), 8),
+    (2047, 128, "bmm_m513_wide_n1024", (64, 256, 64), 0),    # element stores: direct
+    (2047, 64, "bmm_k1_64", (64, 256, 64), 0),               # ... the bucket's own tile
+    (4096, 128, "bmm_m513_wide_n1024", (128, 256, 64), None),  # TMA-stored: the bucket's
+])
+def test_the_h200_table_runs_each_store_width_on_its_kernel(monkeypatch, tmp_path, s, d, bucket,
+                                                           tile, align):
+    """With the H200 device table, q @ k^T rows the threads store 8 bytes at a time run the
+    bucket's `direct_vector` tile, element-stored rows its `direct` (or its own) tile, all
+    without a cluster; the key equals the sweep's forced candidate of that tile (the kernel
+    `bench/sweep_bmm.py` timed and checked bits for on the GPU), and warmup builds it."""
+    monkeypatch.setenv("DETGEMM_CUTE_DEVICE_TABLE", "nvidia-h200")
+    R.invalidate()
+    try:
+        _sm90(monkeypatch)
+        q, kt = _qk(2, s, d)
+        table = dispatch.lookup("bmm", "bf16", "sm90", s, s, d)
+        assert table.name == bucket
+        key = batched.kernel_layout(q, kt, None, torch.bfloat16, table)[0]
+        assert key.tile == tile
+        if align is None:
+            assert not key.c_direct and key.cluster == table.cluster
+            return
+        assert key.c_direct and key.c_align == align and key.cluster == (1, 1)
+        assert key in {k for _, k in aot._bucket_keys(table, "sm_90a", "all")}
+        with bench_on_path():
+            import sweep_bmm
+            from sweep_common import candidate_layer
+        names = candidate_layer(tmp_path / "c.yaml", "bmm", "bcand", sweep_bmm.CANDIDATES)
+        want = f".{tile[0]}x{tile[1]}x64_c"
+        forced = [nm for nm in names if want in nm and key.stages == int(
+            nm.rsplit("_s", 1)[1].split("_")[0]) and nm.endswith("_p")]
+        assert any(batched.kernel_layout(q, kt, None, torch.bfloat16,
+                                         dispatch.bucket_by_name("sm90", nm))[0] == key
+                   for nm in forced), forced
+    finally:
+        monkeypatch.delenv("DETGEMM_CUTE_DEVICE_TABLE")
+        R.invalidate()

@@ -36,20 +36,22 @@ def test_every_device_table_loads_and_replaces_only_kernels(device):
     devices = D.known(R.BUILTIN_DIR)
     assert "nvidia-h200" in devices
     device("off")
-    family = {b.name: b for b in R.load_builtin("sm90").buckets}
+    family = D._by_bucket(R.load_builtin("sm90").buckets)
     for dev in devices:
         device(dev)
-        table = R.load_builtin("sm90")
-        changed = [b for b in table.buckets if b != family[b.name]]
-        assert changed and len(table.buckets) == len(family)
-        for b in changed:
-            f = family[b.name]
-            assert (b.op, b.dtypes, b.m, b.n, b.k) == (f.op, f.dtypes, f.m, f.n, f.k)
-            assert b.source.parent.name == dev and b.source.parent.parent.name == D.SUBDIR
+        table = D._by_bucket(R.load_builtin("sm90").buckets)
+        assert list(table) == list(family)  # the same buckets, in the same order
+        changed = [name for name in table if table[name] != family[name]]
+        assert changed
+        for name in changed:
+            f = family[name][0]
+            for b in table[name]:
+                assert (b.op, b.dtypes, b.m, b.n, b.k) == (f.op, f.dtypes, f.m, f.n, f.k)
+                assert b.source.parent.name == dev and b.source.parent.parent.name == D.SUBDIR
+        buckets = [b for entries in table.values() for b in entries]
         for op in R.OPS:  # the boxes are the family's, so every (M, N, K) is still served
             for dt in R.REQUIRED_DTYPES:
-                assert not R.coverage_gaps([b for b in table.buckets
-                                            if b.op == op and dt in b.dtypes])
+                assert not R.coverage_gaps([b for b in buckets if b.op == op and dt in b.dtypes])
 
 
 def test_the_h200_table_picks_its_own_qk_tile(device):
@@ -131,14 +133,87 @@ def test_a_matching_device_bucket_replaces_the_kernel(device, tmp_path, monkeypa
     assert b.direct is None  # the device's bucket, whole: it declared no direct kernel
 
 
+ALTERNATIVES = """arch: sm90
+buckets:
+  - name: fwd_mid
+    op: fwd
+    dtypes: [bf16, fp16]
+    m: [768, 1535]
+    n: [2305, null]
+    k: [1, null]
+    sms: 132
+    alternatives:
+      - {tile: [128, 256, 64], cluster: [1, 2], stages: 4, persistent: true, cost: [0, 1, 0, 0]}
+      - {tile: [128, 128, 64], cluster: [2, 1], stages: 6, persistent: true, cost: [0, 9, 0, 0]}
+  - name: bmm_m513_wide_n1024
+    op: bmm
+    dtypes: [bf16, fp16]
+    m: [513, null]
+    n: [1024, null]
+    k: [113, 128]
+    sms: 132
+    alternatives:
+      - {tile: [128, 192, 64], stages: 4, persistent: true, cost: [0, 1, 0, 0]}
+"""
+
+
+def test_a_device_bucket_may_bring_alternatives(device, tmp_path, monkeypatch):
+    """A bucket with alternatives replaces the family's alternatives as a whole, in the
+    family bucket's place; one replaces a plain bucket too (its box stays the family's)."""
+    device("off")
+    family = R.load_builtin("sm90").buckets
+    _device_dir(tmp_path, monkeypatch, ALTERNATIVES)
+    device("test-gpu")
+    table = R.load_builtin("sm90").buckets
+    mid = [b for b in table if b.group == "fwd_mid"]
+    assert [(b.tile, b.cluster) for b in mid] == [((128, 256, 64), (1, 2)),
+                                                   ((128, 128, 64), (2, 1))]
+    assert all(b.source.parent.name == "test-gpu" for b in mid)
+    names = [b.group or b.name for b in table]
+    assert list(dict.fromkeys(names)) == list(dict.fromkeys(b.group or b.name for b in family))
+    def others(buckets):  # the kernels of every other bucket (the copy's path aside)
+        return [(b.name, b.tile, b.cluster, b.stages, b.cost, b.line) for b in buckets
+                if not {"fwd_mid", "bmm_m513_wide_n1024"} & {b.group, b.name}]
+    assert others(table) == others(family)
+    b = R.get_registry("sm90").lookup("fwd", "bf16", 1000, 4096, 4096)
+    assert (b.group, b.tile) == ("fwd_mid", (128, 256, 64))  # the lower cost
+    b = R.get_registry("sm90").lookup("bmm", "bf16", *QK_4000)
+    assert (b.group, b.tile, b.direct) == ("bmm_m513_wide_n1024", (128, 192, 64), None)
+
+
+def test_a_plain_device_bucket_may_replace_one_with_alternatives(device, tmp_path,
+                                                                 monkeypatch):
+    plain = (BUCKET.format(name="fwd_mid", m_lo=768)
+             .replace("op: bmm", "op: fwd").replace("m: [768, null]", "m: [768, 1535]")
+             .replace("n: [1024, null]", "n: [2305, null]")
+             .replace("k: [113, 128]", "k: [1, null]"))
+    _device_dir(tmp_path, monkeypatch, plain)
+    device("test-gpu")
+    mid = [b for b in R.load_builtin("sm90").buckets if "fwd_mid" in (b.group, b.name)]
+    assert [(b.name, b.group, b.tile) for b in mid] == [("fwd_mid", "", (128, 192, 64))]
+    b = R.get_registry("sm90").lookup("fwd", "bf16", 1000, 4096, 4096)
+    assert (b.name, b.tile, b.source.parent.name) == ("fwd_mid", (128, 192, 64), "test-gpu")
+    text = str(dispatch.explain("fwd", "bf16", "sm90", 1000, 4096, 4096))
+    assert "option:" not in text and "devices/test-gpu/sm90.yaml" in text
+
+
+def test_a_device_bucket_with_alternatives_keeps_the_box(device, tmp_path, monkeypatch):
+    _device_dir(tmp_path, monkeypatch, ALTERNATIVES.replace("m: [768, 1535]", "m: [768, 1600]"))
+    device("test-gpu")
+    with pytest.raises(R.ConfigError, match=r"'fwd_mid'.*keeps the built-in bucket's op, "
+                                            r"dtypes and box .*m \(768, 1600\) \(built-in: "
+                                            r"\(768, 1535\)\)"):
+        R.load_builtin("sm90")
+
+
 def test_audit_names_the_device_table(device, capsys):
     from detgemm_cute import cli
 
     device("nvidia-h200")
     assert cli.main(["audit", "--arch", "sm90"]) == 0
     out = capsys.readouterr().out
-    assert "this device's kernels in 4 of them: " in out
-    assert "devices/nvidia-h200/sm90.yaml (bmm_m257_512_wide" in out
+    assert "this device's kernels in 5 of them: " in out
+    assert "devices/nvidia-h200/sm90.yaml (bmm_k1_64, bmm_m257_512_wide" in out
     device("off")
     assert cli.main(["audit", "--arch", "sm90"]) == 0
     assert "this device's kernels" not in capsys.readouterr().out

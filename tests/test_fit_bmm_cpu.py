@@ -143,6 +143,43 @@ def test_thread_stored_rows_alone_refit_only_the_direct_kernel(fb, tmp_path):
     assert any("no rows TMA stores: kept" in p for p in printed)
 
 
+def _vector(r):
+    return {**r, "layout": {"c_direct": True, "c_align": 8}}
+
+
+def test_rows_of_one_store_width_refit_only_that_widths_kernel(fb, tmp_path):
+    """Thread-stored rows all stored 8 bytes at a time pick `direct_vector`; the element-
+    stored rows, not timed, keep the kernel they ran (the bucket's `direct`), and the other
+    way round (the 8-byte rows keep theirs, which was `direct` too)."""
+    fam = dispatch.bucket_by_name("sm90", QK)
+    tma = [row(m, {A: 130.0, C: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
+    vec = [_vector(row(m, {A: 80.0, C: 130.0, "table": 120.0})) for m in (1500, 2500, 3000)]
+    (b,), printed = _fit_layer(fb, tmp_path, tma + vec)
+    assert b.direct_vector.tile == (64, 64, 64)
+    assert (b.direct.tile, b.direct.stages) == (fam.direct.tile, fam.direct.stages)
+    assert any("direct (outputs the threads store): the bucket's own (no such rows timed"
+               in p for p in printed)
+    registry.reset_user_configs()
+    elem = [_threads(row(m, {A: 80.0, C: 130.0, "table": 120.0})) for m in (1501, 2047, 3001)]
+    (b,), _ = _fit_layer(fb, tmp_path, tma + elem)
+    assert b.direct.tile == (64, 64, 64)
+    assert (b.direct_vector.tile, b.direct_vector.stages) == (fam.direct.tile, fam.direct.stages)
+
+
+def test_store_widths_that_want_different_kernels_get_one_each(fb, tmp_path):
+    tma = [row(m, {A: 130.0, C: 80.0, "table": 120.0}) for m in (1024, 2048, 4096)]
+    vec = [_vector(row(m, {A: 90.0, C: 60.0, "table": 120.0})) for m in (1500, 2500, 3000)]
+    elem = [_threads(row(m, {A: 60.0, C: 90.0, "table": 120.0})) for m in (1501, 2047, 3001)]
+    (b,), printed = _fit_layer(fb, tmp_path, tma + vec + elem)
+    assert b.direct.tile == (64, 64, 64) and b.direct_vector.tile == (128, 128, 64)
+    assert b.direct_vector.cluster == (1, 1)  # thread-stored rows run without one
+    assert b.direct_kernel(8) is b.direct_vector and b.direct_kernel(0) is b.direct
+    registry.reset_user_configs()
+    same = [_vector(row(m, {A: 60.0, C: 90.0, "table": 120.0})) for m in (1500, 2500, 3000)]
+    (b,), _ = _fit_layer(fb, tmp_path, tma + same + elem)  # one kernel serves both widths
+    assert b.direct.tile == (64, 64, 64) and b.direct_vector is None
+
+
 def test_fit_keeps_a_bucket_it_cannot_improve(fb, tmp_path):
     rows = [row(m, {A: 100.0, B: 101.0, "table": 99.5}) for m in (1024, 2048, 4096)]
     printed = []
@@ -321,11 +358,13 @@ def test_direct_twins_count_as_the_candidate_on_thread_stored_rows(fb, tmp_path)
 
 def test_the_h200_device_table_is_the_fit_of_its_records(fb, monkeypatch, tmp_path):
     """configs/devices/nvidia-h200/sm90.yaml: `fit_bmm.py --splits 0` on the committed H200
-    sweep records picks each bucket's kernel (the records' rows ran the family table, which
-    is what the fit groups by). Rows the threads store keep the family's kernel in three
-    buckets: bmm_m257_512_wide's 64x128 (2.26x torch.bmm against the fit's 128x128, 2.18x),
-    and the two n1024 buckets' 64x256, where the fit's 128x256 won on 8-byte stores but lost
-    21-25% at S = 2047 (one-element stores), which one direct kernel per bucket cannot split."""
+    sweep records picks each bucket's kernels (the records' rows ran the family table, which
+    is what the fit groups by), with the two exceptions its notes give: bmm_m257_512_wide's
+    element-stored rows keep the family's 64x128 (2.26x torch.bmm against the fit's 128x128,
+    2.18x), and bmm_k1_64 keeps the family's tile (the fit's was within 1% on the rows TMA
+    stores; the box also serves other bmm with K <= 64, not timed) and takes only the fit's
+    `direct_vector`. The n1024 buckets split their thread-stored rows by store width: the
+    fit's 128x256 for 8-byte stores, the family's 64x256 for one-element stores."""
     monkeypatch.setenv("DETGEMM_CUTE_DEVICE_TABLE", "off")  # the fit groups by the family's
     tune = ROOT / "bench" / "results" / "tune"
     rows = fb.read_rows([tune / "bmm_qk_tma_nvidia-h200.json.gz",
@@ -336,11 +375,17 @@ def test_the_h200_device_table_is_the_fit_of_its_records(fb, monkeypatch, tmp_pa
     fitted = {b.name: b for b in registry.load_config(layer).buckets}
     family = {b.name: b for b in registry.load_builtin("sm90").buckets}
     shipped = registry.load_config(ROOT / "configs" / "devices" / "nvidia-h200" / "sm90.yaml")
-    assert {b.name for b in shipped.buckets} == set(fitted)
-    for b in shipped.buckets:
-        f = fitted[b.name]
-        assert (b.tile, b.cluster, b.stages, b.persistent) == (f.tile, f.cluster, f.stages,
-                                                               f.persistent), b.name
-        want = f.direct if b.name == "bmm_m513_wide" else family[b.name].direct or family[b.name]
-        got = b.direct and (b.direct.tile, b.direct.stages)
-        assert got == (want and (want.tile, want.stages)), b.name
+    shipped = [b for b in shipped.buckets if b.op == "bmm"]
+    assert {b.name for b in shipped} == set(fitted)
+    kernel = lambda b: b and (b.tile, b.cluster, b.stages, b.persistent)  # noqa: E731
+    stored = lambda b: (b.tile, b.stages, b.persistent)  # noqa: E731  (thread-stored: no cluster)
+    for b in shipped:
+        f, fam = fitted[b.name], family[b.name]
+        assert kernel(b) == kernel(fam if b.name == "bmm_k1_64" else f), b.name
+        for width in (0, 8):  # the kernel each store width of thread-stored rows runs
+            want = {"bmm_m257_512_wide": fam.direct_kernel(width) or fam,
+                    "bmm_k1_64": (f if width == 8 else fam).direct_kernel(width) or fam}.get(
+                b.name, f.direct_kernel(width) or f)
+            assert stored(b.direct_kernel(width) or b) == stored(want), (b.name, width)
+    n1024 = fitted["bmm_m513_wide_n1024"]
+    assert n1024.direct.tile == (64, 256, 64) and n1024.direct_vector.tile == (128, 256, 64)

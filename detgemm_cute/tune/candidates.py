@@ -59,7 +59,7 @@ from ..kernels.limits_common import config_label
 
 _STANDARD = ("tile", "cluster", "stages", "persistent")
 _NOT_KERNEL = ("name", "op", "dtypes", "m", "n", "k", "note", "source", "line", "layer",
-               "group", "cost", "sms", "direct")
+               "group", "cost", "sms", "direct", "direct_vector")
 
 
 @dataclass(frozen=True)

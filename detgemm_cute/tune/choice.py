@@ -90,8 +90,8 @@ def fit_all(points, fields: dict, sms: int, min_points: int = 8, terms: int = N_
         if len(s) >= min_points:
             floor = (0.0, kblock_floor_us(fields[name]["tile"])) + (0.0,) * (terms - 2)
             cost = fit_cost(s, floor)
-            if cost is not None:
-                out[name] = cost
+            if cost is not None:  # as a table writes it (`bucket_yaml`), so the picks that
+                out[name] = tuple(float(f"{x:.4g}") for x in cost)  # selection scores hold
     return out
 
 
