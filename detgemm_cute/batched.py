@@ -26,6 +26,7 @@ import torch
 from . import compile as kcompile
 from . import dispatch, registry, split
 from .errors import check_bmm_args
+from .kernels import sm90_limits
 from .kernels import tensor_needs as needs
 from .gemm import (_NAMES, TF32, _forced, _gpu_arch, arch_of, gemm, launch_on,
                    direct_align, max_clusters_for, output_rows, stage_k_major)
@@ -51,18 +52,23 @@ def reads_a_rows(arch: str, bucket, k: int = A_ROWS_MIN_K) -> bool:
     """Whether `bucket`'s tile reads a K-major A of unaligned rows (K = `k`) with the
     producer warpgroup (`KernelKey.a_loads`): SM90 tiles of BM >= 64 (row tiles load BM-row
     TMA boxes into stages BM rows apart; the producer's rows are laid out for 64 and up) and
-    BK = 64 (one 128-byte swizzle atom a row), not swapped, K >= A_ROWS_MIN_K."""
+    BK = 64 (one 128-byte swizzle atom a row), not swapped, K >= A_ROWS_MIN_K, and whose
+    shared memory holds the raw ring of A's rows beside 2 stages at least
+    (`sm90_limits.a_rows_stages`)."""
     return (arch == "sm90" and bucket.tile[0] >= 64 and bucket.tile[2] == 64
-            and not getattr(bucket, "swap_ab", False) and k >= A_ROWS_MIN_K)
+            and not getattr(bucket, "swap_ab", False) and k >= A_ROWS_MIN_K
+            and sm90_limits.a_rows_stages(bucket.tile, getattr(
+                bucket, "stages", sm90_limits.A_ROWS_MAX_STAGES)) > 0)
 
 
 def with_a_loads(key):
     """`key` reading A with the producer warpgroup: on the persistent kernel (the one with
-    a producer warpgroup), without A multicast (cluster [CM, 1]), with at most 3 stages
-    (the raw ring of A's rows carries the reads' latency and takes the shared memory).
+    a producer warpgroup), without A multicast (cluster [CM, 1]), with at most 3 stages, and
+    fewer where the raw ring of A's rows (which carries the reads' latency) needs their
+    shared memory (`sm90_limits.a_rows_stages`; `reads_a_rows` is the caller's check).
     Neither the schedule, the cluster nor the stages change an entry's chain."""
     return dataclasses.replace(key, a_loads=True, persistent=True, cluster=(key.cluster[0], 1),
-                               stages=min(key.stages, 3))
+                               stages=sm90_limits.a_rows_stages(key.tile, key.stages))
 
 
 def plan_key(key):

@@ -245,6 +245,14 @@ def _kernel_options(key: KernelKey) -> dict:
                              "sm90 kernels of BM >= 64 and BK = 64 with a K-major 16-bit A, "
                              "no A multicast (cluster [CM, 1]), not split, grouped or "
                              "swapped")
+        from .kernels import sm90_limits
+
+        if sm90_limits.a_rows_slots(key.tile, key.stages) < sm90_limits.A_ROWS_SLOTS[0]:
+            fits = sm90_limits.a_rows_stages(key.tile, key.stages)
+            raise ValueError(f"a_loads: tile {list(key.tile)} at {key.stages} stages leaves "
+                             f"the raw ring of A's rows less than its 2 slots of shared "
+                             f"memory; " + (f"use {fits} stages (`batched.with_a_loads`)"
+                                            if fits else "stage A in padded rows instead"))
         opts["a_loads"] = True
     if key.grouped_k and (family_of(key.arch) != "sm90" or not key.persistent or key.pingpong
                           or key.tile[0] % 64 or key.tile[1] % 64 or key.a_major != "m"

@@ -168,6 +168,48 @@ def test_a_loads_kernels_read_a_with_the_threads(tmp_path, tile, stages, persist
     assert not batched.reads_a_rows("sm90", bucket, batched.A_ROWS_MIN_K - 1)
 
 
+def test_a_loads_kernels_fit_their_raw_ring_in_shared_memory():
+    """Every tile `reads_a_rows` accepts gets, through `with_a_loads`, a stage count whose
+    shared memory (the stages, the epilogue and the raw ring's slots of A's rows, as
+    `sm90_a_rows` allocates them) fits the SM's 227 KiB: a 256 x 128 tile at 3 stages asked
+    for 255 KiB and its launch failed (H200, 2026-11-28); at 2 it fits. A key that does not
+    fit is refused before any launch, naming a stage count that does."""
+    from detgemm_cute import batched
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.kernels import sm90_limits as L
+
+    seen = 0
+    for bm in (64, 128, 256):
+        for bn in L.TILE_N:
+            for stages in range(2, 9):
+                tile = (bm, bn, 64)
+                if L.check_config(tile, (1, 1), stages, True):
+                    continue
+                bucket = SimpleNamespace(tile=tile, cluster=(1, 1), stages=stages,
+                                         persistent=True, pingpong=False)
+                if not batched.reads_a_rows("sm90", bucket):
+                    assert L.a_rows_stages(tile, stages) == 0
+                    continue
+                key = batched.with_a_loads(kcompile.KernelKey.for_bucket(
+                    bucket, dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn",
+                    b_contig="last", has_bias=False, arch="sm_90a", batched=True))
+                slots = L.a_rows_slots(tile, key.stages)
+                ring = slots * bm * (64 * 2 // 16 + 1) * 16
+                assert 2 <= key.stages <= min(stages, 3) and slots >= 2, (tile, stages)
+                assert L.smem_bytes(tile, key.stages) + ring + 2048 <= L.SMEM_BYTES, tile
+                kcompile._kernel_options(key)  # accepted
+                seen += 1
+    assert seen > 100
+    wide = SimpleNamespace(tile=(256, 128, 64), cluster=(1, 1), stages=3, persistent=True,
+                           pingpong=False)
+    key = batched.with_a_loads(kcompile.KernelKey.for_bucket(
+        wide, dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
+        has_bias=False, arch="sm_90a", batched=True))
+    assert key.stages == 2
+    with pytest.raises(ValueError, match=r"a_loads: tile \[256, 128, 64\] at 3 stages .*use 2"):
+        kcompile._kernel_options(kcompile.KernelKey(**{**key.__dict__, "stages": 3}))
+
+
 def test_direct_store_policy():
     """Which kernels store unaligned output rows directly: SM90 tiles of BM >= 64 with plain
     operands, not ping-pong or swapped 128-row tiles (their registers are full); the plans

@@ -58,9 +58,7 @@ def raw_stages(tile, stages: int) -> int:
     """Raw k tiles in the ring (those in flight, plus the one being realigned): what the
     shared memory left by the kernel's stages and epilogue holds, 2 to 8. The ring, not the
     stages, carries the latency of A's reads (each slot is one k tile in flight)."""
-    bm, _, bk = tile
-    free = sm90_limits.SMEM_BYTES - sm90_limits.smem_bytes(tile, stages) - 2048  # alignment
-    return max(2, min(8, free // (bm * raw_row_chunks(bk, 2) * CHUNK)))
+    return max(sm90_limits.A_ROWS_SLOTS[0], sm90_limits.a_rows_slots(tile, stages))
 
 
 def raw_ahead(slots: int) -> int:

@@ -133,6 +133,32 @@ def smem_bytes(tile: tuple[int, int, int], stages: int, pingpong: bool = False,
             + EPI_BYTES_PER_ROWCOL * er * ec)
 
 
+# `a_loads` (a K-major A whose rows TMA cannot address, read by the producer warpgroup,
+# `sm90_a_rows`): its raw ring holds k tiles of BM rows of BK / 8 + 1 16-byte chunks (BK
+# elements from anywhere in the first chunk) in the shared memory the stages and the
+# epilogue leave, minus 2 KiB of alignment; it needs 2 slots and uses at most 8.
+A_ROWS_MAX_STAGES = 3
+A_ROWS_SLOTS = (2, 8)
+
+
+def a_rows_slots(tile: tuple[int, int, int], stages: int) -> int:
+    """Slots of A's raw ring that fit beside `stages` stages of `tile` (may be < 2)."""
+    bm, _, bk = tile
+    free = SMEM_BYTES - smem_bytes(tile, stages) - 2048
+    return min(A_ROWS_SLOTS[1], free // (bm * (bk * IN_BYTES // 16 + 1) * 16))
+
+
+def a_rows_stages(tile: tuple[int, int, int], stages: int) -> int:
+    """Stages of `tile`'s `a_loads` kernel: the most, up to `stages` and A_ROWS_MAX_STAGES
+    (the ring, not the stages, carries A's read latency), beside which the raw ring gets
+    its 2 slots; 0 where none do (such a tile stages A in padded rows instead). A 256 x 128
+    tile at 3 stages leaves 1 slot's room (its launch asked for 255 KiB), at 2 it fits."""
+    for s in range(min(stages, A_ROWS_MAX_STAGES), STAGES[0] - 1, -1):
+        if a_rows_slots(tile, s) >= A_ROWS_SLOTS[0]:
+            return s
+    return 0
+
+
 def max_stages(tile: tuple[int, int, int], pingpong: bool = False,
                in_bytes: int = IN_BYTES) -> int:
     return limits_common.max_stages(tile, lambda t, s: smem_bytes(t, s, pingpong, in_bytes),
