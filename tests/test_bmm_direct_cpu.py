@@ -76,8 +76,18 @@ def test_the_field_loads_as_a_kernel_of_the_buckets_box(tmp_path):
      "bucket 'q' direct: field 'tile': tile"),
     ("bmm", "    direct: {tile: [256, 256, 64], stages: 9}\n",
      "bucket 'q' direct: field"),
+    ("fwd", "    direct_vector: {tile: [128, 256, 64], stages: 3}\n",
+     "bucket 'q': field 'direct_vector': direct_vector .*8 bytes at a time.* belongs to an op "
+     "bmm bucket"),
+    ("bmm", "    direct_vector: {tile: [32, 256, 64], stages: 4}\n",
+     r"bucket 'q' direct_vector: field 'tile': direct_vector tiles have BM >= 64"),
+    ("bmm", "    pingpong: true\n    direct_vector: {tile: [64, 256, 64], stages: 4}\n",
+     "field 'direct_vector': a ping-pong tile's threads store no outputs .*so direct_vector "
+     "would never run"),
+    ("bmm", "    direct_vector: {tile: [64, 256, 64], stages: 4, cluster: [2, 1]}\n",
+     "bucket 'q' direct_vector: field 'cluster': unknown key"),
 ])
-def test_a_bad_direct_is_refused_naming_the_bucket_and_field(tmp_path, op, extra, words):
+def test_a_bad_direct_kernel_is_refused_naming_the_bucket_and_field(tmp_path, op, extra, words):
     path = tmp_path / "bad.yaml"
     path.write_text(_bmm_bucket(extra, op=op))
     with pytest.raises(R.ConfigError, match=words):
@@ -200,25 +210,6 @@ def test_direct_vector_loads_and_explain_and_listing_show_it(tmp_path):
                     .replace("name: q", "name: r"))
     (r,) = R.add_config(only).buckets
     assert r.direct is None and r.direct_kernel(0) is None and r.direct_kernel(8).tile[1] == 256
-
-
-@pytest.mark.parametrize("op, extra, words", [
-    ("fwd", "    direct_vector: {tile: [128, 256, 64], stages: 3}\n",
-     "bucket 'q': field 'direct_vector': direct_vector .*8 bytes at a time.* belongs to an op "
-     "bmm bucket"),
-    ("bmm", "    direct_vector: {tile: [32, 256, 64], stages: 4}\n",
-     r"bucket 'q' direct_vector: field 'tile': direct_vector tiles have BM >= 64"),
-    ("bmm", "    pingpong: true\n    direct_vector: {tile: [64, 256, 64], stages: 4}\n",
-     "field 'direct_vector': a ping-pong tile's threads store no outputs .*so direct_vector "
-     "would never run"),
-    ("bmm", "    direct_vector: {tile: [64, 256, 64], stages: 4, cluster: [2, 1]}\n",
-     "bucket 'q' direct_vector: field 'cluster': unknown key"),
-])
-def test_a_bad_direct_vector_is_refused_naming_the_bucket_and_field(tmp_path, op, extra, words):
-    path = tmp_path / "bad.yaml"
-    path.write_text(_bmm_bucket(extra, op=op))
-    with pytest.raises(R.ConfigError, match=words):
-        R.add_config(path)
 
 
 @pytest.mark.parametrize("s, d, bucket, tile, align", [
