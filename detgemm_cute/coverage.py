@@ -102,6 +102,30 @@ def gap_problem(op, dtype, gap, buckets):
     return _DIMS[d], text
 
 
+def coverage_problems(buckets, ops, dtypes, required) -> list[tuple]:
+    """(line, text, where, field) for each way `buckets` (a complete table) fail to serve
+    every (M, N, K) of each op in `ops` they declare, per dtype of `dtypes`: a dtype of
+    `required` with no bucket, or the boxes no bucket covers (20 named, then a count)."""
+    out = []
+    for op in sorted({b.op for b in buckets}, key=ops.index):
+        for dtype in dtypes:
+            serving = [b for b in buckets if b.op == op and dtype in b.dtypes]
+            if not serving:
+                if dtype in required:
+                    out.append((None, f"op {op} dtype {dtype} has no bucket; every op in the "
+                                      f"built-in table must serve {' and '.join(required)}",
+                                "coverage", "dtypes"))
+                continue
+            gaps = coverage_gaps(serving)
+            for gap in gaps[:20]:
+                field, text = gap_problem(op, dtype, gap, serving)
+                out.append((None, text, "coverage", field))
+            if len(gaps) > 20:
+                out.append((None, f"op {op} dtype {dtype}: {len(gaps) - 20} more gaps",
+                            "coverage", None))
+    return out
+
+
 def overlap_problems(buckets) -> list[tuple]:
     """(line, message, bucket label, field) for each bucket whose box meets an earlier one's
     for the same op and a shared dtype (alternatives of one bucket share their box)."""
@@ -121,5 +145,5 @@ def overlap_problems(buckets) -> list[tuple]:
     return out
 
 
-__all__ = ["coverage_gaps", "gap_problem", "fmt_range", "meet", "overlap_problems"]
+__all__ = ["coverage_gaps", "coverage_problems", "gap_problem", "fmt_range", "meet", "overlap_problems"]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from . import config_yaml, device_tables, wave_cost
-from .coverage import coverage_gaps, fmt_range, gap_problem as _gap_problem, overlap_problems
+from .coverage import coverage_gaps, coverage_problems, fmt_range, overlap_problems
 from .kernels.limits_common import config_label
 
 
@@ -508,30 +508,6 @@ def _parse_direct(raw, field, values, path, label, limits, probs: _Problems):
     return Bucket(source=path, line=d.line, layer=0, **v) if len(probs.lines) == mark else None
 
 
-def _check_overlaps(buckets, probs: _Problems):
-    for line, msg, bucket, field in overlap_problems(buckets):
-        probs.add(line, msg, bucket, field)
-
-
-def _check_coverage(buckets, probs: _Problems):
-    for op in sorted({b.op for b in buckets}, key=OPS.index):
-        for dtype in DTYPES:
-            serving = [b for b in buckets if b.op == op and dtype in b.dtypes]
-            if not serving:
-                if dtype in REQUIRED_DTYPES:
-                    probs.add(None, f"op {op} dtype {dtype} has no bucket; every op in the "
-                                    f"built-in table must serve {' and '.join(REQUIRED_DTYPES)}",
-                              "coverage", "dtypes")
-                continue
-            gaps = coverage_gaps(serving)
-            for gap in gaps[:20]:
-                field, text = _gap_problem(op, dtype, gap, serving)
-                probs.add(None, text, "coverage", field)
-            if len(gaps) > 20:
-                probs.add(None, f"op {op} dtype {dtype}: {len(gaps) - 20} more gaps",
-                          "coverage", None)
-
-
 def load_config(path, *, complete: bool = False, arch: str | None = None,
                 origin: str = "user") -> ConfigFile:
     """Read and validate one file; raise ConfigError listing every problem in it.
@@ -587,9 +563,11 @@ def load_config(path, *, complete: bool = False, arch: str | None = None,
             continue
         names[name] = raw.line
         buckets.extend(parsed)
-    _check_overlaps(buckets, probs)
-    if complete and not probs.lines:
-        _check_coverage(buckets, probs)
+    found = overlap_problems(buckets)
+    if complete and not found and not probs.lines:
+        found = coverage_problems(buckets, OPS, DTYPES, REQUIRED_DTYPES)
+    for line, msg, where, field in found:
+        probs.add(line, msg, where, field)
     if probs.lines:
         raise ConfigError(path, probs.lines)
     return ConfigFile(path=path, arch=file_arch, buckets=tuple(buckets), origin=origin)
