@@ -145,5 +145,6 @@ def overlap_problems(buckets) -> list[tuple]:
     return out
 
 
-__all__ = ["coverage_gaps", "coverage_problems", "gap_problem", "fmt_range", "meet", "overlap_problems"]
+__all__ = ["coverage_gaps", "coverage_problems", "gap_problem", "fmt_range", "meet",
+           "overlap_problems"]
 

@@ -172,7 +172,7 @@ def test_a_loads_kernels_fit_their_raw_ring_in_shared_memory():
     """Every tile `reads_a_rows` accepts gets, through `with_a_loads`, a stage count whose
     shared memory (the stages, the epilogue and the raw ring's slots of A's rows, as
     `sm90_a_rows` allocates them) fits the SM's 227 KiB: a 256 x 128 tile at 3 stages asked
-    for 255 KiB and its launch failed (H200, 2026-11-28); at 2 it fits. A key that does not
+    for 249 KiB and its launch failed (H200, 2026-11-28); at 2 it fits. A key that does not
     fit is refused before any launch, naming a stage count that does."""
     from detgemm_cute import batched
     from detgemm_cute import compile as kcompile

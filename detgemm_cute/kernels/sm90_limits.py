@@ -152,7 +152,7 @@ def a_rows_stages(tile: tuple[int, int, int], stages: int) -> int:
     """Stages of `tile`'s `a_loads` kernel: the most, up to `stages` and A_ROWS_MAX_STAGES
     (the ring, not the stages, carries A's read latency), beside which the raw ring gets
     its 2 slots; 0 where none do (such a tile stages A in padded rows instead). A 256 x 128
-    tile at 3 stages leaves 1 slot's room (its launch asked for 255 KiB), at 2 it fits."""
+    tile at 3 stages leaves 1 slot's room (its launch asked for 249 KiB), at 2 it fits."""
     for s in range(min(stages, A_ROWS_MAX_STAGES), STAGES[0] - 1, -1):
         if a_rows_slots(tile, s) >= A_ROWS_SLOTS[0]:
             return s
