@@ -183,13 +183,16 @@ def vector_stored(r) -> bool:
     return thread_stored(r) and (r.get("layout") or {}).get("c_align") == 8
 
 
-def _direct_of(bucket, r):
-    """The bucket's kernel for row `r` as the table runs it (`Bucket.direct_kernel`)."""
-    if not thread_stored(r):
-        return bucket
-    pick = getattr(bucket, "direct_kernel", None)
-    own = pick(8 if vector_stored(r) else 0) if pick else getattr(bucket, "direct", None)
-    return own or bucket
+def _ran(bucket, width=None):
+    """The kernel a row ran on the table's `bucket`: its own tile where TMA stored the
+    outputs (`width` None), else the one for the threads' store width (8 bytes, or 0:
+    element by element; `Bucket.direct_kernel`)."""
+    return bucket if width is None else bucket.direct_kernel(width) or bucket
+
+
+def _width(r):
+    """The store width of row `r` as `_ran` takes it."""
+    return (8 if vector_stored(r) else 0) if thread_stored(r) else None
 
 
 def current_speeds(rows, bucket):
@@ -200,7 +203,7 @@ def current_speeds(rows, bucket):
         return v, "table"
     out, used = [], set()
     for r in rows:
-        want = bucket_fields(_direct_of(bucket, r))
+        want = bucket_fields(_ran(bucket, _width(r)))
         nm = next((nm for nm in candidates_of([r]) if kernel_fields(nm) == want), None)
         if nm is None:
             return None, None
@@ -245,14 +248,7 @@ def _short(nm) -> str:
 def _own_directs(b) -> list:
     """The bucket's own direct kernels, kept as they are: [(field, fields, label, [])]."""
     return [(f, bucket_fields(d), "the bucket's own", []) for f in DIRECT_FIELDS
-            for d in [getattr(b, f, None)] if d is not None]
-
-
-def _ran(b, width):
-    """The kernel fields the bucket's rows the threads store `width` bytes at a time (8,
-    else 0: element by element) ran: its `direct_kernel`, else its own tile."""
-    pick = getattr(b, "direct_kernel", None)
-    return bucket_fields((pick(width) if pick else getattr(b, "direct", None)) or b)
+            for d in [getattr(b, f)] if d is not None]
 
 
 def _same_kernel(f, g) -> bool:
@@ -269,7 +265,7 @@ def _keep_untimed(b, threads, directs) -> list:
     for width, field in ((0, "direct"), (8, "direct_vector")):
         have = {f: fields for f, fields, *_ in out}
         after = have.get(field) or (have.get("direct") if width == 8 else None)
-        before = _ran(b, width)
+        before = bucket_fields(_ran(b, width))
         if width not in widths and (after is None or not _same_kernel(before, after)):
             out.append((field, before, "the bucket's own", []))
     return sorted(out, key=lambda d: DIRECT_FIELDS.index(d[0]))
@@ -318,7 +314,7 @@ def fit_rows(b, rows, splits, min_gain):
     whose rows are all TMA-stored keeps its direct kernels."""
     threads = [r for r in rows if thread_stored(r)]
     tma = [r for r in rows if not thread_stored(r)]
-    own = getattr(b, "direct", None) or getattr(b, "direct_vector", None)
+    own = b.direct or b.direct_vector
     plain = fit_bucket(rows, b.m[0], b.m[1], splits, min_gain,
                        ok=_direct_ok if own is not None and not threads else None)
     one = None if not plain else (
@@ -356,7 +352,7 @@ def fit(rows, arch="sm90", splits=2, min_gain=0.02, device="this GPU", out=print
         if got is None:
             out(f"{name}: {len(brows)} rows, no candidate timed on all of them"
                 + (" that keeps the bucket's direct kernels (not ping-pong)"
-                   if any(getattr(b, f, None) is not None for f in DIRECT_FIELDS) else ""))
+                   if b.direct or b.direct_vector else ""))
             continue
         parts, directs, order = got
         new = [x for *_, v in parts for x in v] + [x for *_, v in directs for x in v]

@@ -57,8 +57,7 @@ def reads_a_rows(arch: str, bucket, k: int = A_ROWS_MIN_K) -> bool:
     (`sm90_limits.a_rows_stages`)."""
     return (arch == "sm90" and bucket.tile[0] >= 64 and bucket.tile[2] == 64
             and not getattr(bucket, "swap_ab", False) and k >= A_ROWS_MIN_K
-            and sm90_limits.a_rows_stages(bucket.tile, getattr(
-                bucket, "stages", sm90_limits.A_ROWS_MAX_STAGES)) > 0)
+            and sm90_limits.a_rows_stages(bucket.tile, bucket.stages) > 0)
 
 
 def with_a_loads(key):
