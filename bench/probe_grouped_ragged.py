@@ -1,0 +1,70 @@
+"""What a grouped launch pays for ragged groups at Mixtral sizes (8 experts, ~1024..4096 rows
+each; needs an SM90 GPU). `probe_grouped_gap.py` times random routing and groups rounded to
+multiples of 128 rows in separate runs (5-21% apart on an H100); here every layout runs in
+one interleaved `time_units` run per layer, every unit on the same operands with its own
+group ends:
+
+- `random`: the routing's group sizes; `even`: rounded to multiples of 128 (the last group
+  takes the rest);
+- `shifted`: 128-row multiples, but the first group 40 rows longer and the last 40 shorter,
+  so every other group starts 40 rows off a 128-row boundary and has only whole tiles;
+- `round64`: the routing's sizes rounded to multiples of 64 (a last tile of exactly 64 rows:
+  one warpgroup idle, no tile moved back);
+- `round16`: rounded to multiples of 16;
+- `torch_loop`: a per-expert torch.mm loop on the random groups (the drift reference).
+
+    python bench/probe_grouped_ragged.py --out F.json
+"""
+import json
+import sys
+
+import torch
+
+import detgemm_cute as dg
+from detgemm_cute.benchlib import gpu
+from detgemm_cute.benchlib.timing import time_units
+from moe_layers import make_set, torch_loop
+from probe_grouped_gap import PLAN
+from sweep_common import probe_args
+
+LAYERS = [("mixtral up T=16384", 8, 32768, 4096, 14336),
+          ("mixtral down T=16384", 8, 32768, 14336, 4096),
+          ("mixtral down T=4096", 8, 8192, 14336, 4096)]
+
+
+def rounded(sizes, step, total):
+    out = [max(step, round(s / step) * step) for s in sizes[:-1]]
+    return out + [total - sum(out)]
+
+
+def main(argv=None) -> int:
+    args = probe_args(__doc__, argv)
+    if args is None:
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    cap = torch.cuda.Stream()
+    rows = []
+    for label, experts, n_rows, k, n in LAYERS:
+        s = make_set("fwd", experts, n_rows, k, n, gen)
+        ends = s[3]
+        sizes = [e - b for b, e in zip([0] + ends[:-1], ends)]
+        even = rounded(sizes, 128, n_rows)
+        layouts = {"random": sizes, "even": even,
+                   "shifted": [even[0] + 40] + even[1:-1] + [even[-1] - 40],
+                   "round64": rounded(sizes, 64, n_rows), "round16": rounded(sizes, 16, n_rows)}
+        offs = {nm: torch.tensor(v).cumsum(0).to(torch.int32).cuda() for nm, v in layouts.items()}
+        fns = {nm: (lambda o: lambda st: dg.grouped_mm(st[0], st[1], o))(o)
+               for nm, o in offs.items()}
+        fns["torch_loop"] = torch_loop
+        res = time_units(fns, [s], PLAN, cap)
+        us = {nm: r.get("us") for nm, r in res.items()}
+        rows.append({"layer": label, "K": k, "N": n, "layouts": layouts, "us": us})
+        print(f"{label:22s} " + "  ".join(f"{nm} {v:8.1f}" for nm, v in us.items() if v)
+              + f"  random/even {us['even'] / us['random']:.3f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
