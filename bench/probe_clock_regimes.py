@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from detgemm_cute.benchlib import gpu, peers, timing  # noqa: E402
 from detgemm_cute.benchlib.shapes import Problem  # noqa: E402
-from probe_onewave import _graph, _sustained  # noqa: E402
+from probe_onewave import _graph, _replay_us, _sustained  # noqa: E402
 
 
 def _burst(g, reps, idle_s, shots):
@@ -26,12 +26,7 @@ def _burst(g, reps, idle_s, shots):
     for _ in range(shots):
         torch.cuda.synchronize()
         time.sleep(idle_s)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
+        times.append(_replay_us(g, reps))
     return statistics.median(times)
 
 

@@ -7,17 +7,15 @@ torch.mm loop at two Mixtral shapes (`grouped-gap_*`) where the bench has the si
 
     python bench/probe_dense_contexts.py --out F.json
 """
-import json
 import sys
 
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.timing import BENCH_PLAN, time_units
 from probe_grouped_gap import PLAN as SWEEP_PLAN
-from sweep_common import probe_args
+from sweep_common import probe_args, write_probe
 
 # (M, K, N): Mixtral 8x7B's expert GEMMs at ~4096 and ~1024 rows per expert.
 SHAPES = [(4096, 4096, 14336), (4079, 4096, 14336), (1024, 14336, 4096), (4096, 14336, 4096)]
@@ -64,9 +62,7 @@ def main(argv=None) -> int:
                                                          us.items())
                   + f"  speed one {row['one']:.3f} loop {row['loop']:.3f}", flush=True)
         del sets
-    with open(args.out, "w") as f:
-        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
-    return 0
+    return write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ group ends:
 
     python bench/probe_grouped_ragged.py --out F.json
 """
-import json
 import sys
 
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import time_units
 from moe_layers import make_set, torch_loop
 from probe_grouped_gap import PLAN
-from sweep_common import probe_args
+from sweep_common import probe_args, write_probe
 
 LAYERS = [("mixtral up T=16384", 8, 32768, 4096, 14336),
           ("mixtral down T=16384", 8, 32768, 14336, 4096),
@@ -37,33 +35,35 @@ def rounded(sizes, step, total):
     return out + [total - sum(out)]
 
 
+def layouts_of(sizes, n_rows) -> dict:
+    """The group sizes of each layout (see the module docstring) from the routing's."""
+    even = rounded(sizes, 128, n_rows)
+    return {"random": sizes, "even": even,
+            "shifted": [even[0] + 40] + even[1:-1] + [even[-1] - 40],
+            "round64": rounded(sizes, 64, n_rows), "round16": rounded(sizes, 16, n_rows)}
+
+
+def time_layer(layer, gen, cap) -> dict:
+    """One layer's row: every layout's grouped launch and the torch loop, timed together."""
+    label, experts, n_rows, k, n = layer
+    s = make_set("fwd", experts, n_rows, k, n, gen)
+    layouts = layouts_of([e - b for b, e in zip([0] + s[3][:-1], s[3])], n_rows)
+    offs = {nm: torch.tensor(v).cumsum(0).to(torch.int32).cuda() for nm, v in layouts.items()}
+    fns = {nm: (lambda o: lambda st: dg.grouped_mm(st[0], st[1], o))(o)
+           for nm, o in offs.items()}
+    fns["torch_loop"] = torch_loop
+    us = {nm: r.get("us") for nm, r in time_units(fns, [s], PLAN, cap).items()}
+    print(f"{label:22s} " + "  ".join(f"{nm} {v:8.1f}" for nm, v in us.items() if v)
+          + f"  random/even {us['even'] / us['random']:.3f}", flush=True)
+    return {"layer": label, "K": k, "N": n, "layouts": layouts, "us": us}
+
+
 def main(argv=None) -> int:
     args = probe_args(__doc__, argv)
     if args is None:
         return 1
-    gen = torch.Generator().manual_seed(0)
-    cap = torch.cuda.Stream()
-    rows = []
-    for label, experts, n_rows, k, n in LAYERS:
-        s = make_set("fwd", experts, n_rows, k, n, gen)
-        ends = s[3]
-        sizes = [e - b for b, e in zip([0] + ends[:-1], ends)]
-        even = rounded(sizes, 128, n_rows)
-        layouts = {"random": sizes, "even": even,
-                   "shifted": [even[0] + 40] + even[1:-1] + [even[-1] - 40],
-                   "round64": rounded(sizes, 64, n_rows), "round16": rounded(sizes, 16, n_rows)}
-        offs = {nm: torch.tensor(v).cumsum(0).to(torch.int32).cuda() for nm, v in layouts.items()}
-        fns = {nm: (lambda o: lambda st: dg.grouped_mm(st[0], st[1], o))(o)
-               for nm, o in offs.items()}
-        fns["torch_loop"] = torch_loop
-        res = time_units(fns, [s], PLAN, cap)
-        us = {nm: r.get("us") for nm, r in res.items()}
-        rows.append({"layer": label, "K": k, "N": n, "layouts": layouts, "us": us})
-        print(f"{label:22s} " + "  ".join(f"{nm} {v:8.1f}" for nm, v in us.items() if v)
-              + f"  random/even {us['even'] / us['random']:.3f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
-    return 0
+    gen, cap = torch.Generator().manual_seed(0), torch.cuda.Stream()
+    return write_probe(args.out, [time_layer(layer, gen, cap) for layer in LAYERS])
 
 
 if __name__ == "__main__":

@@ -71,6 +71,16 @@ def _graph(fn, sets, reps):
     return g
 
 
+def _replay_us(g, reps):
+    """One replay of g (`reps` calls), timed with CUDA events: us per call."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
 def _sustained(g, reps, seconds):
     """Replay g for about `seconds`; (median us per call, median SM MHz, median W)."""
     import statistics
@@ -84,12 +94,7 @@ def _sustained(g, reps, seconds):
                            stdout=subprocess.PIPE, text=True)
     times, t_end = [], time.time() + seconds
     while time.time() < t_end:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
+        times.append(_replay_us(g, reps))
     smi.terminate()
     rows = [r.split(",") for r in smi.communicate()[0].splitlines() if r.count(",") == 1]
     mhz = statistics.median(float(r[0]) for r in rows) if rows else float("nan")

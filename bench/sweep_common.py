@@ -77,6 +77,13 @@ def write_records(out: str, names, rows, fields=None, **meta) -> None:
     tmp.replace(out)
 
 
+def write_probe(out: str, rows) -> int:
+    """A probe's JSON: the device and one row per problem; 0 (the probe's exit status)."""
+    with open(out, "w") as f:
+        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
+    return 0
+
+
 def probe_args(doc: str, argv=None):
     """A probe's arguments (`--out FILE`), or None after printing why this machine cannot run
     it (no usable GPU)."""
