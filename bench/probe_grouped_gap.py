@@ -16,16 +16,14 @@ dense kernels' at these sizes.
     python bench/probe_grouped_gap.py --out "$OUT/grouped_gap.json"
 """
 
-import json
 import sys
 
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, time_units
 from moe_layers import BF16, lt_loop, make_set, torch_grouped, torch_loop
-from sweep_common import probe_args
+from sweep_common import probe_args, write_probe
 
 # (label, experts, rows, K, N): Mixtral 8x7B's unfused up and down projections at 2 and 8
 # thousand tokens x top-2, and its fused up projection at 1024 tokens.
@@ -90,9 +88,7 @@ def main(argv=None) -> int:
               + f"  grouped/torch-best {best / us['grouped']:.3f}"
               f"  dg_loop/torch_loop_copy {us['torch_loop_copy'] / us['dg_loop']:.3f}",
               flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
-    return 0
+    return write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ tune / bench / tune / bench in one process, and prints each kernel's speed relat
     python bench/probe_timing_plans.py --out "$OUT/timing_plans.json"
 """
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.peers import LtNoSplit
 from detgemm_cute.benchlib.shapes import Problem
 from detgemm_cute.benchlib.timing import BENCH_PLAN, TUNE_PLAN, make_sets, time_units
-from sweep_common import probe_args
+from sweep_common import probe_args, write_probe
 
 # The kernels in dispute (tile, cluster, stages, options) and the problems (op, M, K, N of the
 # layer, kernels): the first from the dX bench, the second from the pool, the third both.
@@ -88,9 +87,7 @@ def main(argv=None) -> int:
                       + "  ".join(f"{nm} {v:.3f}x" for nm, v in row["vs_lt"].items()),
                       flush=True)
         del sets
-    with open(args.out, "w") as f:
-        json.dump({"meta": gpu.device_meta(), "rows": rows}, f, indent=1)
-    return 0
+    return write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

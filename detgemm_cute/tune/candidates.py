@@ -56,10 +56,11 @@ import math
 from dataclasses import dataclass
 
 from ..kernels.limits_common import config_label
+from ..registry import DIRECT_FIELDS
 
 _STANDARD = ("tile", "cluster", "stages", "persistent")
 _NOT_KERNEL = ("name", "op", "dtypes", "m", "n", "k", "note", "source", "line", "layer",
-               "group", "cost", "sms", "direct", "direct_vector")
+               "group", "cost", "sms", *DIRECT_FIELDS)
 
 
 @dataclass(frozen=True)
