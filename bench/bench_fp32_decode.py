@@ -61,7 +61,7 @@ INLINE_SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 2, 2, 2), (8, 1, 4, 2), (8, 4, 2
 # from 8 rows of X, with its scales taken in the kernel up to 4).
 GUESS_SWEEP = [(8, 2, 3, 2), (8, 2, 4, 2), (8, 2, 5, 2), (8, 4, 3, 2), (8, 1, 6, 2),
                (8, 2, 2, 2), (16, 1, 4, 1), (8, 2, 6, 1), (16, 1, 3, 1), (16, 1, 2, 1),
-               (8, 1, 4, 1)]
+               (8, 1, 4, 1), (4, 2, 2, 2), (4, 2, 3, 2), (4, 2, 2, 3), (2, 2, 2, 2), (2, 2, 3, 3)]
 # Per-CTA byte targets of the cluster sweep (`split_decode.cluster_shape`).
 CLUSTER_BUDGETS = (32 * 1024, 44 * 1024, 56 * 1024, 72 * 1024, 100 * 1024)
 PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,

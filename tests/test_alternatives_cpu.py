@@ -371,6 +371,60 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
         assert got == want, f"{op}_{group}"
 
 
+def _h200_buckets(monkeypatch, group):
+    """{candidate name: cost} of the H200 device table's `group` alternatives."""
+    from detgemm_cute import device_tables
+    from detgemm_cute.tune.candidates import Candidate
+
+    monkeypatch.setenv(device_tables.ENV_VAR, "nvidia-h200")
+    monkeypatch.setattr(R, "_builtins", {})
+    R.invalidate()
+    try:
+        return {Candidate.from_bucket(b).name: b.cost for b in R.get_registry("sm90").buckets
+                if b.group == group}
+    finally:
+        monkeypatch.undo()
+        R.invalidate()
+
+
+def _h200_points(record, m_range, n_range):
+    from pathlib import Path
+
+    from detgemm_cute.tune.fit_command import read_records
+    from detgemm_cute.tune.summary import all_fields, points_of
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
+    recs = read_records([root / f"{record}_nvidia-h200.json.xz"])
+    pts = [p for p in points_of(recs, "fwd") if m_range[0] <= p.m <= m_range[1]
+           and n_range[0] <= p.n <= n_range[1]]
+    return pts, all_fields(recs)
+
+
+def test_h200_prefill_narrow_follows_from_the_committed_record(monkeypatch):
+    """The H200 device table's fwd_prefill_narrow is `tune-fit --m-min 1536 --n-max 2560
+    --max-alternatives 10` on bench/results/tune/tune_fwd_narrow_wide_nvidia-h200.json.xz (the
+    82 kernels of bench/shapes/fwd_narrow_wide_pool.yaml timed on every problem)."""
+    pts, fields = _h200_points("tune_fwd_narrow_wide", (1536, 10**9), (1, 2560))
+    costs = choice.fit_all(pts, fields, 132, 8, only=choice.contenders(pts))
+    names = choice.select(pts, costs, 10, 0.001)
+    want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+    assert _h200_buckets(monkeypatch, "fwd_prefill_narrow") == want
+
+
+def test_h200_mid_keeps_the_family_kernels_with_refitted_costs(monkeypatch):
+    """The H200 device table's fwd_mid runs the family's alternatives with costs refitted on
+    bench/results/tune/tune_fwd_mid_wide_nvidia-h200.json.xz (`tune-fit --keep`)."""
+    from detgemm_cute.tune.candidates import Candidate
+
+    family = [Candidate.from_bucket(b).name for b in R.get_registry("sm90").buckets
+              if b.group == "fwd_mid"]
+    got = _h200_buckets(monkeypatch, "fwd_mid")
+    assert sorted(got) == sorted(family)
+    pts, fields = _h200_points("tune_fwd_mid_wide", (768, 1535), (2305, 10**9))
+    costs = choice.fit_all(pts, fields, 132, 8, only=set(got))
+    assert got == {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in got}
+
+
 def test_builtin_dw_prefill_costs_follow_from_the_committed_records():
     """dw_prefill's alternatives were selected from an earlier 20-candidate pool; their costs
     are `tune-fit --keep`'s six-term refit on bench/results/tune/tune_alternatives_*.json.xz
