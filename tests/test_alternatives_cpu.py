@@ -243,6 +243,43 @@ def test_tune_fit_writes_a_layer_that_loads_and_serves(tmp_path, capsys):
     assert "--min-gain: expected a number >= 0.0, got -0.1" in capsys.readouterr().err
 
 
+def test_tune_fit_also_offers_a_layers_kernels_to_the_selection(tmp_path, capsys):
+    """A kernel close to the best on too few problems to be a contender is left out of the
+    selection, unless `--also` names a layer holding it (a refit keeping a family kernel)."""
+    import gzip
+    import json
+
+    from detgemm_cute import cli
+
+    tiles = {"a": ((128, 256, 64), 4), "b": ((64, 64, 128), 6), "c": ((128, 128, 64), 6)}
+    names = {k: f"{t[0]}x{t[1]}x{t[2]}_c1x1_s{st}_p" for k, (t, st) in tiles.items()}
+    recs = []
+    for i, m in enumerate((256, 512, 1024, 2048, 4096, 8192, 16384, 32768)):
+        t = {names["a"]: 10.0 + i, names["b"]: 10.5 + i,
+             names["c"]: (8.0 + i) if i in (2, 5) else 30.0}  # c: the best on two problems
+        recs.append({"op": "fwd", "gemm": [m, 4096, 4096], "m": m, "n": 4096, "k": 4096,
+                     "cands": t, "device": "GPU X", "arch": "sm90", "dtype": "bf16",
+                     "peers": {"cublaslt": min(t.values())},
+                     "fields": {names[k]: {"tile": list(tl), "stages": st, "persistent": True}
+                                for k, (tl, st) in tiles.items()}})
+    src = tmp_path / "t.json.gz"
+    with gzip.open(src, "wt") as f:
+        json.dump({"records": recs}, f)
+    layer = tmp_path / "family.yaml"
+    layer.write_text("arch: sm90\nbuckets:\n  - name: fam\n    op: fwd\n    dtypes: [bf16]\n"
+                     "    m: [100000, null]\n    sms: 132\n    alternatives:\n"
+                     "      - {tile: [128, 128, 64], stages: 6, persistent: true, "
+                     "cost: [0, 1, 0, 0]}\n")
+    out = tmp_path / "fit.yaml"
+    base = ["tune-fit", str(src), "--ops", "fwd", "--min-points", "5", "--min-gain", "0",
+            "--out", str(out)]
+    assert cli.main(base) == 0
+    assert "tile: [128, 128, 64]" not in out.read_text()
+    assert cli.main(base + ["--also", str(layer)]) == 0
+    assert "tile: [128, 128, 64]" in out.read_text()
+    capsys.readouterr()
+
+
 def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(tmp_path):
     """A file of extra candidates without peers merges into the records that have them, in
     either order; a peer's time is the first file's that has it."""
@@ -376,15 +413,14 @@ def _h200_buckets(monkeypatch, group):
     from detgemm_cute import device_tables
     from detgemm_cute.tune.candidates import Candidate
 
-    monkeypatch.setenv(device_tables.ENV_VAR, "nvidia-h200")
-    monkeypatch.setattr(R, "_builtins", {})
-    R.invalidate()
-    try:
-        return {Candidate.from_bucket(b).name: b.cost for b in R.get_registry("sm90").buckets
-                if b.group == group}
-    finally:
-        monkeypatch.undo()
+    with monkeypatch.context() as mp:
+        mp.setenv(device_tables.ENV_VAR, "nvidia-h200")
         R.invalidate()
+        try:
+            return {Candidate.from_bucket(b).name: b.cost
+                    for b in R.get_registry("sm90").buckets if b.group == group}
+        finally:
+            R.invalidate()
 
 
 def _h200_points(record, m_range, n_range):
@@ -402,11 +438,16 @@ def _h200_points(record, m_range, n_range):
 
 def test_h200_prefill_narrow_follows_from_the_committed_record(monkeypatch):
     """The H200 device table's fwd_prefill_narrow is `tune-fit --m-min 1536 --n-max 2560
-    --max-alternatives 10` on bench/results/tune/tune_fwd_narrow_wide_nvidia-h200.json.xz (the
-    82 kernels of bench/shapes/fwd_narrow_wide_pool.yaml timed on every problem)."""
+    --max-alternatives 12 --also <the family's fwd_prefill_narrow>` on
+    bench/results/tune/tune_fwd_narrow_wide_nvidia-h200.json.xz (the 82 kernels of
+    bench/shapes/fwd_narrow_wide_pool.yaml timed on every problem)."""
+    from detgemm_cute.tune.candidates import Candidate
+
+    family = {Candidate.from_bucket(b).name for b in R.get_registry("sm90").buckets
+              if b.group == "fwd_prefill_narrow"}
     pts, fields = _h200_points("tune_fwd_narrow_wide", (1536, 10**9), (1, 2560))
-    costs = choice.fit_all(pts, fields, 132, 8, only=choice.contenders(pts))
-    names = choice.select(pts, costs, 10, 0.001)
+    costs = choice.fit_all(pts, fields, 132, 8, only=choice.contenders(pts) | family)
+    names = choice.select(pts, costs, 12, 0.001)
     want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
     assert _h200_buckets(monkeypatch, "fwd_prefill_narrow") == want
 

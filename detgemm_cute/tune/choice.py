@@ -153,12 +153,12 @@ def select(points, costs: dict, max_alternatives: int = 12, min_gain: float = 0.
 
 
 def cross_validate(points, fields: dict, sms: int, token_dim: str, max_alternatives: int = 12,
-                   min_points: int = 8, min_gain: float = 0.001) -> list[tuple]:
+                   min_points: int = 8, min_gain: float = 0.001, also=()) -> list[tuple]:
     """[(point, chosen name or None)] with each token count left out of fitting and
-    selection in turn (among the contenders of all points); `token_dim` is "m" (fwd, dx)
-    or "k" (dW)."""
+    selection in turn (among the contenders of all points and the candidates in `also`);
+    `token_dim` is "m" (fwd, dx) or "k" (dW)."""
     out = []
-    keep = contenders(points)
+    keep = contenders(points) | set(also)
     for hold in sorted({getattr(p, token_dim) for p in points}):
         train = [p for p in points if getattr(p, token_dim) != hold]
         costs = fit_all(train, fields, sms, min_points, only=keep)

@@ -16,7 +16,8 @@ and within 3% of the fastest on at least 3) and their cost coefficients fitted b
 `detgemm_cute.tune.choice`. Prints,
 per op, how the model's picks compare with cuBLASLt no split-K on the records, both fitted on
 all of them and with each token count (M; K for dw) left out of fitting and selection.
-`--keep FILE` refits the alternatives of that layer's buckets instead of selecting new ones.
+`--keep FILE` refits the alternatives of that layer's buckets instead of selecting new ones;
+`--also FILE` adds that layer's alternatives to the contenders the selection may take.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def fit_op(records, op: str, args, out) -> list[str]:
     pts = [p for p in points_of(records, op)
            if args.m_min <= p.m <= m_hi and args.n_min <= p.n <= n_hi]
     token = "k" if op == "dw" else "m"
+    also = set(kept_alternatives(args.also, op)) if args.also else set()
     costs = choice.fit_all(pts, fields, args.sms, args.min_points,
-                           only=None if args.keep else choice.contenders(pts))
+                           only=None if args.keep else choice.contenders(pts) | also)
     names = ([n for n in kept_alternatives(args.keep, op) if n in costs] if args.keep
              else choice.select(pts, costs, args.max_alternatives, args.min_gain))
     if len(names) < 1:
@@ -119,7 +121,8 @@ def fit_op(records, op: str, args, out) -> list[str]:
         return []
     fitted = _ratios((p, choice.pick(p, names, costs, fields, args.sms)) for p in pts)
     held = _ratios(choice.cross_validate(pts, fields, args.sms, token, args.max_alternatives,
-                                         args.min_points, args.min_gain)) if not args.keep else []
+                                         args.min_points, args.min_gain, also)
+                   ) if not args.keep else []
     dev = next((r.get("device") for r in records if r.get("device")), "this GPU")
     toks = sorted({getattr(p, token) for p in pts})
     note = (f"tune-fit on {dev}: {len(names)} alternatives, costs from {len(pts)} problems "
@@ -157,6 +160,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit only candidates measured on at least this many problems")
     p.add_argument("--keep", metavar="LAYER.yaml",
                    help="refit the alternatives of this layer's buckets (no new selection)")
+    p.add_argument("--also", metavar="LAYER.yaml",
+                   help="candidates for the selection besides the contenders: the alternatives "
+                        "of this layer's buckets (e.g. the family table's, so a refit for one "
+                        "GPU may keep its kernels)")
     p.add_argument("--name", default="alternatives", help="bucket names: <op>_<name>")
     p.add_argument("--bucket-dtypes", default="bf16,fp16")
     p.add_argument("--arch", default="sm90", type=family_type,
