@@ -278,6 +278,11 @@ def test_tune_fit_also_offers_a_layers_kernels_to_the_selection(tmp_path, capsys
     assert cli.main(base + ["--also", str(layer)]) == 0
     assert "tile: [128, 128, 64]" in out.read_text()
     capsys.readouterr()
+    # --also with --keep (which selects nothing) and a missing layer are errors, not no-ops
+    assert cli.main(base + ["--also", str(layer), "--keep", str(layer)]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert cli.main(base + ["--also", str(tmp_path / "none.yaml")]) == 2
+    assert "no such layer file" in capsys.readouterr().err
 
 
 def test_read_records_merges_candidates_and_takes_each_peer_from_the_first_file(tmp_path):

@@ -193,6 +193,15 @@ def run(args, out=print) -> int:
                   f"{getattr(args, lo)} / --{hi.replace('_', '-')} {getattr(args, hi)}: "
                   f"expected 1 <= min <= max", file=sys.stderr)
             return 2
+    if args.keep and args.also:
+        print("detgemm-cute tune-fit: error: --also adds candidates to a selection, and --keep "
+              "selects nothing (it refits its layer's alternatives): give one of them",
+              file=sys.stderr)
+        return 2
+    layer = args.keep or args.also
+    if layer and not Path(layer).is_file():
+        print(f"detgemm-cute tune-fit: error: no such layer file: {layer}", file=sys.stderr)
+        return 2
     records = read_records(args.records, align=args.align_runs)
     lines = [f"arch: {args.arch}", "buckets:"]
     for op in ops:
