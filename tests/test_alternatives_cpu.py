@@ -428,7 +428,7 @@ def _h200_buckets(monkeypatch, group):
             R.invalidate()
 
 
-def _h200_points(record, m_range, n_range):
+def _h200_points(record, m_range, n_range, op="fwd"):
     from pathlib import Path
 
     from detgemm_cute.tune.fit_command import read_records
@@ -436,7 +436,7 @@ def _h200_points(record, m_range, n_range):
 
     root = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune"
     recs = read_records([root / f"{record}_nvidia-h200.json.xz"])
-    pts = [p for p in points_of(recs, "fwd") if m_range[0] <= p.m <= m_range[1]
+    pts = [p for p in points_of(recs, op) if m_range[0] <= p.m <= m_range[1]
            and n_range[0] <= p.n <= n_range[1]]
     return pts, all_fields(recs)
 
@@ -455,6 +455,22 @@ def test_h200_prefill_narrow_follows_from_the_committed_record(monkeypatch):
     names = choice.select(pts, costs, 12, 0.001)
     want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
     assert _h200_buckets(monkeypatch, "fwd_prefill_narrow") == want
+
+
+def test_h200_dw_small_follows_from_the_committed_record(monkeypatch):
+    """The H200 device table's dw_small is `tune-fit --m-max 767 --n-min 17
+    --max-alternatives 8` on bench/results/tune/tune_dw_small_wide_nvidia-h200.json.xz (the 54
+    kernels of bench/shapes/dw_small_wide_pool.yaml, the family's among them, timed on all 93
+    problems), and every kernel it names returned the table's bits there."""
+    pts, fields = _h200_points("tune_dw_small_wide", (1, 767), (17, 10**9), op="dw")
+    assert len(pts) == 93
+    costs = choice.fit_all(pts, fields, 132, 8)
+    names = choice.select(pts, costs, 8, 0.001)
+    want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+    got = _h200_buckets(monkeypatch, "dw_small")
+    assert got == want
+    # points_of drops a kernel's time where its bits differed from the table's
+    assert all(name in p.times for p in pts for name in got)
 
 
 def test_h200_mid_keeps_the_family_kernels_with_refitted_costs(monkeypatch):

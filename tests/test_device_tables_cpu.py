@@ -212,8 +212,8 @@ def test_audit_names_the_device_table(device, capsys):
     device("nvidia-h200")
     assert cli.main(["audit", "--arch", "sm90"]) == 0
     out = capsys.readouterr().out
-    assert "this device's kernels in 7 of them: " in out
-    assert ("devices/nvidia-h200/sm90.yaml (fwd_mid, fwd_prefill_narrow, bmm_k1_64, "
+    assert "this device's kernels in 8 of them: " in out
+    assert ("devices/nvidia-h200/sm90.yaml (fwd_mid, fwd_prefill_narrow, dw_small, bmm_k1_64, "
             "bmm_m257_512_wide") in out
     device("off")
     assert cli.main(["audit", "--arch", "sm90"]) == 0
