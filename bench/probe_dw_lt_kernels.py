@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -76,7 +77,13 @@ def main(argv=None) -> int:
     if a.cmd == "ncu":
         _ncu(a.problem, [b for b in a.buckets.split(",") if b])
         return 0
-    specs = ["x".join(map(str, mkn)) for mkn, _ in read_shapes_file(a.shapes_file)][::a.every]
+    if a.every < 1:
+        p.error(f"--every: expected a count >= 1, got {a.every}")
+    out = Path(a.out)
+    if out.suffix != ".md":
+        p.error(f"--out: expected a markdown file name ending in .md, got {a.out!r}")
+    specs = list(dict.fromkeys("x".join(map(str, mkn))
+                               for mkn, _ in read_shapes_file(a.shapes_file)))[::a.every]
 
     def row(spec, lt):
         m, k, n = (int(v) for v in spec.split("x"))
@@ -88,8 +95,8 @@ def main(argv=None) -> int:
     cols = ("M x K x N", "detgemm bucket", "kernel(s)", "us (profiler)")
     write_kernel_table(a.out, f"# dW, cuBLASLt (split-K off) {title}", cols, specs,
                        lambda s: row(s, True))
-    write_kernel_table(a.out.replace(".md", "_cublas.md"), f"# dW, cuBLAS default {title}",
-                       cols, specs, lambda s: row(s, False))
+    write_kernel_table(str(out.with_name(out.stem + "_cublas.md")),
+                       f"# dW, cuBLAS default {title}", cols, specs, lambda s: row(s, False))
     return 0
 
 
