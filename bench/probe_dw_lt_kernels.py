@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -27,13 +28,11 @@ from detgemm_cute.benchlib.shapes import read_shapes_file  # noqa: E402
 from ncu_common import profiled, write_kernel_table  # noqa: E402
 
 
-def _dw_peer(dy, x, lt: bool):
-    def call():
-        if lt:
-            with peers.LtNoSplit():
-                return torch.mm(dy.t(), x, out_dtype=torch.float32)
-        return torch.mm(dy.t(), x, out_dtype=torch.float32)
-    return call
+def _operands(spec: str):
+    """Fresh random dY [M, N] and X [M, K] of a 'MxKxN' problem, as the peers' `a` and `b`."""
+    m, k, n = (int(v) for v in spec.split("x"))
+    return types.SimpleNamespace(a=torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
+                                 b=torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
 
 
 def _ncu(spec: str, buckets: list[str]) -> None:
@@ -41,26 +40,22 @@ def _ncu(spec: str, buckets: list[str]) -> None:
     random inputs, between cudaProfilerStart/Stop; then each forced kernel again on K-major
     copies of the operands (the same GEMM and chain through `dg.mm`), so the operands'
     layout can be told apart from the tile."""
-    import detgemm_cute as dg
+    dg = peers.detgemm_api()
+    s = _operands(spec)
+    # dW = dY^T X as the forward's GEMM on K-major copies: A = dY^T, B^T = X^T
+    k_major = types.SimpleNamespace(a=s.a.t().contiguous(), b=s.b.t().contiguous())
 
-    m, k, n = (int(v) for v in spec.split("x"))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-
-    def forced(name):
-        def call():
-            with dg.force_bucket(name):
-                return dg.weight_grad(dy, x)
-        return call
-    dy_t, x_t = dy.t().contiguous(), x.t().contiguous()
+    def on(call, operands):
+        return lambda: call(operands)
 
     def forced_k_major(name):
-        def call():
+        def call(o):
             with dg.force_bucket(name):
-                return dg.mm(dy_t, x_t.t(), out_dtype=torch.float32)
+                return dg.mm(o.a, o.b.t(), out_dtype=torch.float32)
         return call
-    profiled([forced(b) for b in buckets] + [_dw_peer(dy, x, True)]
-             + [forced_k_major(b) for b in buckets])
+    profiled([on(peers.detgemm_call("dw", dg, b), s) for b in buckets]
+             + [on(peers.lt_call("dw"), s)]
+             + [on(forced_k_major(b), k_major) for b in buckets])
 
 
 def main(argv=None) -> int:
@@ -87,9 +82,8 @@ def main(argv=None) -> int:
 
     def row(spec, lt):
         m, k, n = (int(v) for v in spec.split("x"))
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        return dispatch.explain("dw", "bf16", "sm90", n, k, m).bucket.name, _dw_peer(dy, x, lt)
+        s, call = _operands(spec), (peers.lt_call if lt else peers.torch_call)("dw")
+        return dispatch.explain("dw", "bf16", "sm90", n, k, m).bucket.name, lambda: call(s)
 
     title = f"kernels on {torch.cuda.get_device_name()}, torch {torch.__version__}"
     cols = ("M x K x N", "detgemm bucket", "kernel(s)", "us (profiler)")

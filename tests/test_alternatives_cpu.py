@@ -407,10 +407,16 @@ def test_builtin_buckets_follow_from_the_committed_records(group, records, m_ran
                                only=choice.contenders(pts) if contend else None)
         names = choice.select(pts, costs, max_alternatives, fit.get("min_gain", 0.001))
         pad = (0.0,) * (wave_cost.N_COEFFS - terms)
-        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + pad for n in names}
+        want = _as_written(costs, names, pad)
         got = {Candidate.from_bucket(b).name: b.cost for b in reg.buckets
                if b.group == f"{op}_{group}"}
         assert got == want, f"{op}_{group}"
+
+
+def _as_written(costs, names, pad=()):
+    """{name: cost} as a table writes the fitted costs (4 significant digits), `pad` appended
+    (zeros for the terms a fit with fewer terms leaves out)."""
+    return {n: tuple(float(f"{c:.4g}") for c in costs[n]) + tuple(pad) for n in names}
 
 
 def _h200_buckets(monkeypatch, group):
@@ -453,7 +459,7 @@ def test_h200_prefill_narrow_follows_from_the_committed_record(monkeypatch):
     pts, fields = _h200_points("tune_fwd_narrow_wide", (1536, 10**9), (1, 2560))
     costs = choice.fit_all(pts, fields, 132, 8, only=choice.contenders(pts) | family)
     names = choice.select(pts, costs, 12, 0.001)
-    want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+    want = _as_written(costs, names)
     assert _h200_buckets(monkeypatch, "fwd_prefill_narrow") == want
 
 
@@ -466,7 +472,7 @@ def test_h200_dw_small_follows_from_the_committed_record(monkeypatch):
     assert len(pts) == 93 and all(len(p.times) == 54 for p in pts)
     costs = choice.fit_all(pts, fields, 132, 8, only=choice.contenders(pts))
     names = choice.select(pts, costs, 8, 0.001)
-    want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in names}
+    want = _as_written(costs, names)
     got = _h200_buckets(monkeypatch, "dw_small")
     assert got == want
     # points_of drops a kernel's time where its bits differed from the table's
@@ -484,7 +490,7 @@ def test_h200_mid_keeps_the_family_kernels_with_refitted_costs(monkeypatch):
     assert sorted(got) == sorted(family)
     pts, fields = _h200_points("tune_fwd_mid_wide", (768, 1535), (2305, 10**9))
     costs = choice.fit_all(pts, fields, 132, 8, only=set(got))
-    assert got == {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in got}
+    assert got == _as_written(costs, got)
 
 
 def test_builtin_dw_prefill_costs_follow_from_the_committed_records():
@@ -506,7 +512,7 @@ def test_builtin_dw_prefill_costs_follow_from_the_committed_records():
     got = {Candidate.from_bucket(b).name: b.cost for b in R.get_registry("sm90").buckets
            if b.group == "dw_prefill"}
     costs = choice.fit_all(pts, all_fields(recs), 132, 8, only=set(got))
-    assert got == {n: tuple(float(f"{c:.4g}") for c in costs[n]) for n in got}
+    assert got == _as_written(costs, got)
 
 
 def test_builtin_tf32_buckets_follow_from_the_committed_records():
@@ -534,7 +540,7 @@ def test_builtin_tf32_buckets_follow_from_the_committed_records():
         # fitted before the padding term existed: five coefficients, the sixth 0
         costs = choice.fit_all(pts, fields, 132, 8, terms=5)
         names = choice.select(pts, costs, 12)
-        want = {n: tuple(float(f"{c:.4g}") for c in costs[n]) + (0.0,) for n in names}
+        want = _as_written(costs, names, (0.0,))
         swapped = {Candidate.from_fields({**fields[n], "swap_ab": True}).name: c
                    for n, c in want.items()
                    if reads_a_in_registers(fields[n]["tile"][0],
