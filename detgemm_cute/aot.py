@@ -21,6 +21,9 @@ from .gemm import stores_direct
 from .kernels import sm90_limits
 
 _BANNED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
+# A function call (printf's vprintf, an out-of-line helper): with one anywhere in a kernel,
+# ptxas issues every WGMMA alone (warning C7510), 1.09x a tile's time on an H200.
+_CALL = re.compile(r"^\s*(?:@!?%p\d+\s+)?call(?:\.uni)?\b", re.M)
 # Per kernel family: (what the audit reports missing, pattern that must occur in the PTX).
 _REQUIRED = {
     "sm90": (("wgmma.mma_async", r"wgmma\.mma_async"),
@@ -47,12 +50,15 @@ def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None,
     of the kernel ("sm90" or "sm80"), which decides the instructions that must be there;
     `dtype` "tf32" requires the family's TF32 MMA instead of its 16-bit one; `pdl` (a kernel
     launched with programmatic dependent launch) requires `griddepcontrol.wait` before the
-    first instruction that reads or writes global memory."""
+    first instruction that reads or writes global memory. An sm90 kernel may not call a
+    function (`_CALL`)."""
     required = _REQUIRED[family]
     if dtype == "tf32":
         required = (_TF32_MMA[family],) + required[1:]
     problems = [f"missing {name}" for name, pat in required if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
+    if family == "sm90" and _CALL.search(ptx):
+        problems.append("a function call: ptxas then serializes every WGMMA (C7510)")
     if pdl:
         problems += pdl_order_problems(ptx)
     return problems

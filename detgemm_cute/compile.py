@@ -18,6 +18,7 @@ Caches:
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -78,17 +79,34 @@ class KernelKey:
     # Launched with programmatic dependent launch (sm90 family; `pdl`): the CTAs set up under
     # the previous kernel's tail and wait for it before their first global access.
     pdl: bool = False
+    # Grouped kernels (`grouped`, `grouped_k`) check offs on the device and trap on a bad
+    # entry; with `offs_report` they print the entry first (`report_offs`). That printf is a
+    # function call, and a call anywhere in a kernel makes ptxas issue its WGMMAs one at a
+    # time (warning C7510): 1.09x a tile's time on an H200, so the default build traps only.
+    offs_report: bool = False
 
     @staticmethod
     def for_bucket(bucket, **call) -> "KernelKey":
         from . import pdl
 
         call.setdefault("pdl", pdl.enabled() and family_of(call.get("arch", "sm_90a")) == "sm90")
+        if call.get("grouped") or call.get("grouped_k"):
+            call.setdefault("offs_report", report_offs())
         call.setdefault("swap_ab", getattr(bucket, "swap_ab", False))
         call.setdefault("raster_n", getattr(bucket, "raster_n", False))
         return KernelKey(tile=tuple(bucket.tile), cluster=tuple(bucket.cluster),
                          stages=bucket.stages, persistent=bucket.persistent,
                          pingpong=getattr(bucket, "pingpong", False), **call)
+
+
+REPORT_OFFS_ENV = "DETGEMM_CUTE_REPORT_OFFS"
+
+
+def report_offs() -> bool:
+    """Whether grouped kernels built from now on print a bad offs entry before they trap
+    (``DETGEMM_CUTE_REPORT_OFFS=1``, read when a call's plan is made): for debugging, as
+    the printing build runs its WGMMAs one at a time (`KernelKey.offs_report`)."""
+    return os.environ.get(REPORT_OFFS_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 _lock = threading.Lock()
@@ -266,6 +284,10 @@ def _kernel_options(key: KernelKey) -> dict:
             raise ValueError(f"raster_n orders a persistent schedule: sm90 kernels only, not "
                              f"{key.arch}")
         opts["raster_n"] = True
+    if key.offs_report:
+        if not (key.grouped or key.grouped_k):
+            raise ValueError("offs_report prints a bad offs entry: grouped kernels only")
+        opts["offs_report"] = True
     if key.pdl:
         if family_of(key.arch) != "sm90":
             raise ValueError(f"programmatic dependent launch (pdl) is for sm90 kernels, not "

@@ -132,16 +132,19 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def fails_on_the_device(code: str, message: str) -> None:
-    """Run `code` in a fresh Python process (a failed launch ends the CUDA context) and
-    check that it fails with `message` in its output: a device-side check."""
+def fails_on_the_device(code: str, message: str, env: dict | None = None) -> str:
+    """Run `code` in a fresh Python process (a failed launch ends the CUDA context), with
+    `env` added to the environment, and check that it fails with `message` in its output: a
+    device-side check. Returns the output."""
+    import os
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env={**os.environ, **(env or {})})
     assert r.returncode != 0
-    assert message in r.stdout + r.stderr
+    assert message in r.stdout + r.stderr, (r.stdout + r.stderr)[-800:]
+    return r.stdout + r.stderr
 
 
 def group_ends(sizes):

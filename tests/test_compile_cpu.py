@@ -377,3 +377,34 @@ def test_odd_multiple_of_8_widths_store_8_column_sub_tiles(tmp_path, tile, clust
                                  "out_dtype": "bf16"})
     assert set(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.(x\d)",
                           _audited_ptx(wide, tmp_path))) == {"x4"}
+
+
+def test_grouped_kernels_call_no_function_unless_asked_to_report_offs(tmp_path, monkeypatch):
+    """A function call anywhere in a kernel makes ptxas issue its WGMMAs one at a time
+    (C7510). The grouped kernels check offs with a trap alone, so their PTX calls nothing
+    and passes the audit; the build that prints a bad entry (`offs_report`, from
+    DETGEMM_CUTE_REPORT_OFFS when a plan is made) calls printf, which the audit reports."""
+    from detgemm_cute import compile as kcompile
+
+    base = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True, dtype="bf16",
+                out_dtype="bf16", a_major="k", b_form="kn", b_contig="last", has_bias=False,
+                arch="sm_90a")
+    for kind in ({"grouped": True}, {"grouped_k": True, "a_major": "m"}):
+        key = kcompile.KernelKey(**{**base, **kind})
+        assert "C7510" not in _assert_no_spills(_audited_ptx(key, tmp_path), tmp_path)
+        report = kcompile.KernelKey(**{**base, **kind, "offs_report": True})
+        ptx = kcompile.build(report, f"--keep-ptx --dump-dir={tmp_path}").__ptx__ or ""
+        assert aot.audit_ptx(ptx) == ["a function call: ptxas then serializes every WGMMA "
+                                      "(C7510)"]
+        assert "vprintf" in ptx
+    bucket = SimpleNamespace(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True)
+    call = dict(dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
+                has_bias=False)
+    monkeypatch.delenv(kcompile.REPORT_OFFS_ENV, raising=False)
+    assert not kcompile.KernelKey.for_bucket(bucket, grouped=True, **call).offs_report
+    monkeypatch.setenv(kcompile.REPORT_OFFS_ENV, "1")
+    assert kcompile.KernelKey.for_bucket(bucket, grouped=True, **call).offs_report
+    assert kcompile.KernelKey.for_bucket(bucket, grouped_k=True, **call).offs_report
+    assert not kcompile.KernelKey.for_bucket(bucket, **call).offs_report  # dense: no offs
+    with pytest.raises(ValueError, match="grouped kernels only"):
+        kcompile.build(kcompile.KernelKey(**base, offs_report=True))

@@ -149,12 +149,14 @@ def test_moe_weight_gradient_in_one_launch():
 @pytest.mark.parametrize("offs,message", [([50, 20, 100], "offs[1] = 20 after 50"),
                                           ([50, 70, 101], "offs[2] = 101 after 70")])
 def test_bad_offs_fail_on_the_device(offs, message):
-    """offs is never read on the host: the kernel checks it and fails the launch with the
-    entry that is wrong (in a subprocess: a failed launch ends the CUDA context)."""
+    """offs is never read on the host: the kernel checks it and fails the launch (in a
+    subprocess: a failed launch ends the CUDA context); the build that
+    DETGEMM_CUTE_REPORT_OFFS=1 asks for also prints the entry that is wrong."""
     code = ("import torch, detgemm_cute as dg\n"
             "a = torch.randn(100, 64, device='cuda', dtype=torch.bfloat16).t()\n"
             "b = torch.randn(100, 32, device='cuda', dtype=torch.bfloat16)\n"
             f"offs = torch.tensor({offs}, device='cuda', dtype=torch.int32)\n"
             "dg.grouped_mm(a, b, offs)\n"
             "torch.cuda.synchronize()\n")
-    fails_on_the_device(code, message)
+    fails_on_the_device(code, message, env={"DETGEMM_CUTE_REPORT_OFFS": "1"})
+    assert message not in fails_on_the_device(code, "CUDA error")

@@ -596,7 +596,7 @@ class Sm90GemmGroupedK(_OffsCall, Sm90GemmPersistent):
     @cute.jit
     def _k_groups(self, mOffs, mA_mk):
         """Check offs on the device (every CTA, its threads each a few entries: a bad entry
-        is printed and the launch traps) and return what `_place` needs: (offs, T)."""
+        traps, `_check_offs`) and return what `_place` needs: (offs, T)."""
         total = cute.size(mA_mk, mode=[1])
         tidx, _, _ = cute.arch.thread_idx()
         for g in cutlass.range(tidx, cute.size(mOffs), self.threads_per_cta, unroll=1):

@@ -92,8 +92,10 @@ class Sm90Base(EpilogueStores):
     def __init__(self, tile, cluster, stages, b_is_kn: bool, has_bias: bool,
                  accumulate: bool = False, chunked: bool = False, bias_on_rows: bool = False,
                  raster_n: bool = False, c_direct: bool = False, a_loads: bool = False,
-                 pdl: bool = False, c_vector: int = 1):
+                 pdl: bool = False, c_vector: int = 1, offs_report: bool = False):
         self.tile_shape_mnk = tuple(tile)
+        # Grouped: a bad offs entry is printed before the trap (`_check_offs`).
+        self.offs_report = offs_report
         # Programmatic dependent launch: the kernel may start while the previous kernel in the
         # stream drains, and waits for it (griddepcontrol.wait) before its first global access.
         self.pdl = pdl
@@ -432,16 +434,19 @@ class Sm90Base(EpilogueStores):
     @cute.jit
     def _check_offs(self, mOffs, total, g, extent: cutlass.Constexpr = "the rows of a"):
         """A device-side assert (the host never reads offs): offs[g] must lie in
-        [offs[g - 1] (0 for g = 0), total]. Otherwise the thread prints which entry is wrong
-        and traps, and the launch fails (as a failed device assert does in torch): two
-        groups would share rows, or a group would run past the rows of A."""
+        [offs[g - 1] (0 for g = 0), total]. Otherwise the thread traps and the launch fails:
+        two groups would share rows, or a group would run past the rows of A. With
+        `offs_report` it first prints which entry is wrong. Only then: printf is a function
+        call, and any call in the kernel makes ptxas serialize every WGMMA (C7510)."""
         prev = cutlass.Int32(0)
         if g > 0:
             prev = mOffs[g - 1]
         end = mOffs[g]
         if end < prev or end > total:
-            cute.printf("detgemm_cute grouped_mm: offs must be non-decreasing, >= 0 and <= "
-                        "%d (" + extent + "); offs[%d] = %d after %d", total, g, end, prev)
+            if cutlass.const_expr(self.offs_report):
+                cute.printf("detgemm_cute grouped_mm: offs must be non-decreasing, >= 0 and "
+                            "<= %d (" + extent + "); offs[%d] = %d after %d", total, g, end,
+                            prev)
             llvm.intr_trap()
 
     @cute.jit
