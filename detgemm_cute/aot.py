@@ -237,26 +237,66 @@ def _rate(done: int, total: int, seconds: float) -> str:
     return f"[{done:{len(str(total))}d}/{total}, {rate:.1f}/s, ETA {eta}]"
 
 
-def build_and_audit(key) -> tuple[list, float]:
-    """(problems, seconds): compile `key` keeping its PTX and audit it (in this process or a
-    worker of `compile_buckets`); a compile error is a problem, not an exception."""
+# ptxas -v lines worth an engineer's look: a performance warning (C75xx: WGMMAs issued one
+# at a time, and why) and spilled registers.
+_PTXAS_NOTE = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (.*?)(?: in the function.*)?$")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_notes(ptx: str, arch: str) -> list[str]:
+    """What `ptxas -v` (on PATH) says of one kernel's PTX that costs speed: its performance
+    warnings ("C7510: wgmma.mma_async instructions are serialized due to ...") and its spill
+    bytes. The library never needs ptxas (the DSL assembles its kernels itself); this is a
+    diagnostic of `detgemm-cute compile --ptxas`."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("ptxas")
+    if exe is None:
+        raise RuntimeError("ptxas is not on PATH (it comes with the CUDA toolkit)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/kernel.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", f"{tmp}/kernel.cubin"],
+                             capture_output=True, text=True)
+    if run.returncode != 0:
+        return [f"ptxas failed: {run.stderr.strip().splitlines()[-1][:200]}"]
+    notes = []
+    for line in run.stderr.splitlines():
+        warn = _PTXAS_NOTE.search(line)
+        if warn:
+            notes.append(f"{warn.group(1)}: {warn.group(2)}")
+        spill = _PTXAS_SPILL.search(line)
+        if spill and (int(spill.group(1)) or int(spill.group(2))):
+            notes.append(f"spills {spill.group(1)} bytes (stores), {spill.group(2)} (loads)")
+    return list(dict.fromkeys(notes))
+
+
+def build_and_audit(key, ptxas: bool = False) -> tuple[list, float, list]:
+    """(problems, seconds, notes): compile `key` keeping its PTX and audit it (in this
+    process or a worker of `compile_buckets`); a compile error is a problem, not an
+    exception. `ptxas`: the notes are `ptxas_notes` (else empty)."""
     t0 = time.time()
     family = kcompile.family_of(key.arch)
+    notes = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
             problems = audit_ptx(fn.__ptx__ or "", family, key.dtype, key.pdl)
+            if ptxas:
+                notes = ptxas_notes(fn.__ptx__ or "", key.arch)
         except Exception as e:  # report every bucket, not just the first failure
             problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
-    return problems, time.time() - t0
+    return problems, time.time() - t0, notes
 
 
-def _built(keys, jobs: int):
-    """(key, problems, seconds) for every key, in completion order: here (jobs 1) or in
-    `jobs` worker processes (spawned, no GPU, one torch thread each)."""
+def _built(keys, jobs: int, ptxas: bool = False):
+    """(key, problems, seconds, notes) for every key, in completion order: here (jobs 1) or
+    in `jobs` worker processes (spawned, no GPU, one torch thread each)."""
     if jobs <= 1:
         for key in keys:
-            yield (key, *build_and_audit(key))
+            yield (key, *build_and_audit(key, ptxas))
         return
     import concurrent.futures as cf
     import multiprocessing
@@ -265,7 +305,7 @@ def _built(keys, jobs: int):
 
     with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                 initializer=_init_worker, initargs=("off",)) as pool:
-        futures = {pool.submit(build_and_audit, key): key for key in keys}
+        futures = {pool.submit(build_and_audit, key, ptxas): key for key in keys}
         try:
             for f in cf.as_completed(futures):
                 yield (futures[f], *f.result())
@@ -276,7 +316,7 @@ def _built(keys, jobs: int):
 
 
 def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "core",
-                    jobs: int = 1) -> int:
+                    jobs: int = 1, ptxas: bool = False) -> int:
     """Compile (and audit) every bucket of the family `arch` builds ('sm_90a': sm90;
     'sm_80', 'sm_86', 'sm_90', ...: sm80, see `compile.family_of`); 0 when all pass.
 
@@ -285,10 +325,17 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
     fwd/dx) or "all" (dtype x output dtype x layout x bias; dw: layout x accumulate). A key
     shared by several buckets (same tile, cluster, stages, persistence) is compiled once.
     `jobs` > 1 compiles in that many processes. One line per kernel, in the order they
-    finish, each starting with the count, the rate and the time left."""
+    finish, each starting with the count, the rate and the time left. `ptxas`: each line
+    also names what `ptxas_notes` finds (a diagnostic; it fails nothing)."""
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
+    if ptxas:
+        import shutil
+
+        if shutil.which("ptxas") is None:
+            out("compile: --ptxas needs ptxas on PATH (it comes with the CUDA toolkit)")
+            return 1
     try:
         family = kcompile.family_of(arch)
         buckets = _selected(registry.get_registry(family), bucket_names, family)
@@ -300,10 +347,13 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
         for call, key in _bucket_keys(b, arch, variants):
             users.setdefault(key, []).append((b, call))
     total = sum(len(v) for v in users.values())
-    failures = done = 0
+    failures = done = noted = 0
     t_all = time.time()
-    for key, problems, seconds in _built(list(users), jobs):
+    for key, problems, seconds, notes in _built(list(users), jobs, ptxas):
         status = "OK" if not problems else "FAIL " + "; ".join(problems)
+        if notes:
+            status += " | ptxas: " + "; ".join(notes)
+            noted += 1
         first = users[key][0][0].name
         for i, (b, call) in enumerate(users[key]):
             done += 1
@@ -311,6 +361,8 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
             note = f" (same kernel as {first})" if i else ""
             out(f"{_rate(done, total, time.time() - t_all)} {_label(b.name, call)}  "
                 f"{seconds if not i else 0.0:5.1f}s  {status}{note}")
+    if ptxas:
+        out(f"compile: ptxas notes on {noted} of {len(users)} distinct kernels")
     out(f"compile: {total - failures}/{total} kernels built and audited for {arch} "
         f"({len(users)} distinct, {len(buckets)} buckets, variants={variants}, "
         f"{time.time() - t_all:.0f}s{f', {jobs} processes' if jobs > 1 else ''})")

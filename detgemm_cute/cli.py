@@ -51,7 +51,8 @@ def cmd_compile(args, out) -> int:
     names = _layers_and_buckets(args, arch.family)
     from .aot import compile_buckets
 
-    return compile_buckets(arch.target, names, out=out, variants=args.variants, jobs=args.jobs)
+    return compile_buckets(arch.target, names, out=out, variants=args.variants, jobs=args.jobs,
+                           ptxas=args.ptxas)
 
 
 def cmd_warmup(args, out) -> int:
@@ -180,6 +181,9 @@ def _add_compile(sub) -> None:
     c.add_argument("--jobs", type=positive_int, default=1,
                    help="compile in this many processes (default 1; each takes a CPU core "
                         "and about 1 GB of memory)")
+    c.add_argument("--ptxas", action="store_true",
+                   help="also assemble each kernel with ptxas -v (on PATH) and print its "
+                        "performance warnings (WGMMAs issued one at a time) and spills")
     c.set_defaults(func=cmd_compile)
 
 

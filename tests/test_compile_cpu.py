@@ -408,3 +408,30 @@ def test_grouped_kernels_call_no_function_unless_asked_to_report_offs(tmp_path, 
     assert not kcompile.KernelKey.for_bucket(bucket, **call).offs_report  # dense: no offs
     with pytest.raises(ValueError, match="grouped kernels only"):
         kcompile.build(kcompile.KernelKey(**base, offs_report=True))
+
+
+def test_ptxas_notes_name_what_costs_speed(tmp_path, monkeypatch):
+    """`detgemm-cute compile --ptxas`: ptxas -v's performance warnings and spills per kernel
+    (the grouped kernel that prints a bad offs entry: WGMMAs serialized at its printf call,
+    C7510; the default build: nothing). Without ptxas on PATH the option is refused."""
+    import shutil
+
+    from detgemm_cute import compile as kcompile
+
+    if shutil.which("ptxas"):
+        base = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
+                    dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn",
+                    b_contig="last", has_bias=False, arch="sm_90a", grouped=True)
+        notes = {report: aot.ptxas_notes(kcompile.build(
+            kcompile.KernelKey(**base, offs_report=report),
+            f"--keep-ptx --dump-dir={tmp_path}").__ptx__ or "", "sm_90a")
+            for report in (False, True)}
+        assert notes[False] == []
+        assert [n for n in notes[True] if n.startswith("C7510: wgmma.mma_async instructions "
+                                                       "are serialized")], notes[True]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    lines = []
+    assert aot.compile_buckets("sm_90a", ["fwd_prefill"], out=lines.append, ptxas=True) == 1
+    assert "--ptxas needs ptxas on PATH" in lines[0]
+    with pytest.raises(RuntimeError, match="ptxas is not on PATH"):
+        aot.ptxas_notes("", "sm_90a")
