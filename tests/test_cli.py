@@ -113,8 +113,9 @@ def test_compile_hands_off_to_aot(monkeypatch):
     calls = []
     fake = types.ModuleType("detgemm_cute.aot")
 
-    def compile_buckets(arch, bucket_names, out=print, variants="core", jobs=1):
-        calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name))
+    def compile_buckets(arch, bucket_names, out=print, variants="core", jobs=1, ptxas=False):
+        calls.append((arch, bucket_names, R.get_registry("sm90").table("fwd", "bf16")[0].name,
+                      ptxas))
         out("compiled")
         return 3
 
@@ -123,12 +124,12 @@ def test_compile_hands_off_to_aot(monkeypatch):
     assert cli.main(["compile"]) == 3
     assert cli.main(["compile", "--arch", "sm_90a", "--bucket", "my_decode", "--bucket",
                      "fwd_decode_m1_16_n1_2112", "--config",
-                     str(FIXTURES / "user_small_m.yaml")]) == 3
+                     str(FIXTURES / "user_small_m.yaml"), "--ptxas"]) == 3
     # Names come back in table order; any arch spelling of a family builds its target.
     assert cli.main(["compile", "--arch", "sm_80"]) == 3
-    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2112"),
-                     ("sm_90a", ["fwd_decode_m1_16_n1_2112", "my_decode"], "my_decode"),
-                     ("sm_80", None, "my_decode")]
+    assert calls == [("sm_90a", None, "fwd_decode_m1_16_n1_2112", False),
+                     ("sm_90a", ["fwd_decode_m1_16_n1_2112", "my_decode"], "my_decode", True),
+                     ("sm_80", None, "my_decode", False)]
 
 
 def test_compile_with_a_broken_config(capsys):
