@@ -94,10 +94,12 @@ def main(argv=None) -> int:
                                ref.view(torch.int16))
             us = {nm: r.get("us") for nm, r in time_units(fns, [s], PLAN, cap).items()}
             rows.append({"layer": label, "K": k, "N": n, "us": us, "bits_equal": same})
+            ratios = ""
+            if all(us.get(nm) for nm in ("grouped8", "grouped1", "dense1")):
+                ratios = (f"  grouped1/dense1 {us['grouped1'] / us['dense1']:.3f}  grouped8/"
+                          f"(8 grouped1) {us['grouped8'] / (8 * us['grouped1']):.3f}")
             print(f"{label:22s} " + "  ".join(f"{nm} {v:8.1f}" for nm, v in us.items() if v)
-                  + f"  grouped1/dense1 {us['grouped1'] / us['dense1']:.3f}"
-                  + f"  grouped8/(8 grouped1) {us['grouped8'] / (8 * us['grouped1']):.3f}"
-                  + f"  bits {same}", flush=True)
+                  + ratios + f"  bits {same}", flush=True)
         return write_probe(args.out, rows)
 
 

@@ -45,19 +45,20 @@ _LAYOUTS = (("k", "nk", "last"), ("k", "kn", "first"), ("k", "kn", "last"), ("m"
 
 
 def audit_ptx(ptx: str, family: str = "sm90", dtype: str | None = None,
-              pdl: bool = False) -> list[str]:
+              pdl: bool = False, offs_report: bool = False) -> list[str]:
     """Problems with one kernel's PTX (empty when it passes); `family` is the registry arch
     of the kernel ("sm90" or "sm80"), which decides the instructions that must be there;
     `dtype` "tf32" requires the family's TF32 MMA instead of its 16-bit one; `pdl` (a kernel
     launched with programmatic dependent launch) requires `griddepcontrol.wait` before the
     first instruction that reads or writes global memory. An sm90 kernel may not call a
-    function (`_CALL`)."""
+    function (`_CALL`), except the printf of a grouped kernel built to report a bad offs
+    entry (`offs_report`, a debugging build: `compile.report_offs`)."""
     required = _REQUIRED[family]
     if dtype == "tf32":
         required = (_TF32_MMA[family],) + required[1:]
     problems = [f"missing {name}" for name, pat in required if not re.search(pat, ptx)]
     problems += [f"forbidden instruction {m.group(1)}." for m in _BANNED.finditer(ptx)][:1]
-    if family == "sm90" and _CALL.search(ptx):
+    if family == "sm90" and not offs_report and _CALL.search(ptx):
         problems.append("a function call: ptxas then serializes every WGMMA (C7510)")
     if pdl:
         problems += pdl_order_problems(ptx)
@@ -259,9 +260,10 @@ def ptxas_notes(ptx: str, arch: str) -> list[str]:
         with open(src, "w") as f:
             f.write(ptx)
         run = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", f"{tmp}/kernel.cubin"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, timeout=300)
     if run.returncode != 0:
-        return [f"ptxas failed: {run.stderr.strip().splitlines()[-1][:200]}"]
+        last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
+        return [f"ptxas failed: {last[:200]}"]
     notes = []
     for line in run.stderr.splitlines():
         warn = _PTXAS_NOTE.search(line)
@@ -283,11 +285,15 @@ def build_and_audit(key, ptxas: bool = False) -> tuple[list, float, list]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             fn = kcompile.build(key, f"--keep-ptx --dump-dir={tmp}")
-            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype, key.pdl)
-            if ptxas:
-                notes = ptxas_notes(fn.__ptx__ or "", key.arch)
+            problems = audit_ptx(fn.__ptx__ or "", family, key.dtype, key.pdl,
+                                 key.offs_report)
         except Exception as e:  # report every bucket, not just the first failure
-            problems = [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+            return [f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"], time.time() - t0, []
+        if ptxas:
+            try:
+                notes = ptxas_notes(fn.__ptx__ or "", key.arch)
+            except Exception as e:  # a diagnostic: it fails no kernel
+                notes = [f"ptxas not run: {type(e).__name__}: {str(e)[:160]}"]
     return problems, time.time() - t0, notes
 
 

@@ -15,8 +15,8 @@ computes for it alone. `grouped_mm` follows ``torch._grouped_mm``'s forms:
 The 2-D x 3-D form with bf16/fp16 inputs on SM90 is one launch of the grouped kernel (see
 `grouped`), and the 2-D x 2-D form one launch of the grouped-K kernel (see `grouped_k`);
 both read ``offs`` on the device only: no sync, and a CUDA graph captures the call. The
-kernels check offs themselves (a device-side assert: a bad entry is printed and the launch
-fails, as torch's device asserts do).
+kernels check offs themselves (a device-side assert: a bad entry traps, so the launch fails;
+with ``DETGEMM_CUTE_REPORT_OFFS=1`` the kernels print the entry first).
 Other grouped calls (SM80, fp32 inputs, more groups than the grouped kernel's table holds)
 read ``offs`` on the host (one device sync per call; not capturable in a CUDA
 graph) and launch one GEMM per non-empty group, spread over a few side streams so

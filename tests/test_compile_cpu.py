@@ -396,12 +396,16 @@ def test_grouped_kernels_call_no_function_unless_asked_to_report_offs(tmp_path, 
         ptx = kcompile.build(report, f"--keep-ptx --dump-dir={tmp_path}").__ptx__ or ""
         assert aot.audit_ptx(ptx) == ["a function call: ptxas then serializes every WGMMA "
                                       "(C7510)"]
+        assert aot.audit_ptx(ptx, offs_report=True) == []  # what the debugging build is
         assert "vprintf" in ptx
     bucket = SimpleNamespace(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True)
     call = dict(dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
                 has_bias=False)
     monkeypatch.delenv(kcompile.REPORT_OFFS_ENV, raising=False)
     assert not kcompile.KernelKey.for_bucket(bucket, grouped=True, **call).offs_report
+    for value, on in (("0", False), ("off", False), ("", False), ("true", True), (" ON ", True)):
+        monkeypatch.setenv(kcompile.REPORT_OFFS_ENV, value)
+        assert kcompile.KernelKey.for_bucket(bucket, grouped=True, **call).offs_report is on
     monkeypatch.setenv(kcompile.REPORT_OFFS_ENV, "1")
     assert kcompile.KernelKey.for_bucket(bucket, grouped=True, **call).offs_report
     assert kcompile.KernelKey.for_bucket(bucket, grouped_k=True, **call).offs_report
@@ -429,6 +433,15 @@ def test_ptxas_notes_name_what_costs_speed(tmp_path, monkeypatch):
         assert notes[False] == []
         assert [n for n in notes[True] if n.startswith("C7510: wgmma.mma_async instructions "
                                                        "are serialized")], notes[True]
+        # The command's lines: the debugging build (DETGEMM_CUTE_REPORT_OFFS=1) passes the
+        # audit as what it is, and its notes name the serialized WGMMAs.
+        monkeypatch.setenv(kcompile.REPORT_OFFS_ENV, "1")
+        lines = []
+        assert aot.compile_buckets("sm_90a", ["grouped_m1_160_n1_512"], out=lines.append,
+                                   ptxas=True) == 0
+        assert all("| ptxas: C7510" in ln for ln in lines[:-2]), lines
+        assert lines[-2].startswith("compile: ptxas notes on 4 of 4 distinct kernels")
+        monkeypatch.delenv(kcompile.REPORT_OFFS_ENV)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     lines = []
     assert aot.compile_buckets("sm_90a", ["fwd_prefill"], out=lines.append, ptxas=True) == 1

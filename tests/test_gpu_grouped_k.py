@@ -9,7 +9,8 @@
   holds the next group's values until they are zeroed);
 - the call is one launch that a CUDA graph captures, and a replay after offs changed in
   place gives the new grouping's bits (offs is read on the device);
-- a bad offs fails the launch with the entry that is wrong (a device-side check).
+- a bad offs fails the launch (a device-side check), and names the wrong entry with
+  DETGEMM_CUTE_REPORT_OFFS=1.
 """
 
 import pytest
@@ -159,4 +160,5 @@ def test_bad_offs_fail_on_the_device(offs, message):
             "dg.grouped_mm(a, b, offs)\n"
             "torch.cuda.synchronize()\n")
     fails_on_the_device(code, message, env={"DETGEMM_CUTE_REPORT_OFFS": "1"})
-    assert message not in fails_on_the_device(code, "CUDA error")
+    assert message not in fails_on_the_device(code, "CUDA error",
+                                              env={"DETGEMM_CUTE_REPORT_OFFS": "0"})

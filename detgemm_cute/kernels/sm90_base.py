@@ -94,7 +94,7 @@ class Sm90Base(EpilogueStores):
                  raster_n: bool = False, c_direct: bool = False, a_loads: bool = False,
                  pdl: bool = False, c_vector: int = 1, offs_report: bool = False):
         self.tile_shape_mnk = tuple(tile)
-        # Grouped: a bad offs entry is printed before the trap (`_check_offs`).
+        # Grouped: print a bad offs entry before the trap (`_check_offs`; debugging only).
         self.offs_report = offs_report
         # Programmatic dependent launch: the kernel may start while the previous kernel in the
         # stream drains, and waits for it (griddepcontrol.wait) before its first global access.
