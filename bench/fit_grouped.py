@@ -1,7 +1,7 @@
 """Sweep records of `sweep_grouped.py` -> the ``op: grouped`` (or, with ``--op grouped_k``,
 ``op: grouped_k``) buckets of configs/sm90.yaml (no GPU).
 
-    python bench/fit_grouped.py SWEEP.json[.gz] [...] [--op grouped|grouped_k]
+    python bench/fit_grouped.py SWEEP.json[.gz|.xz] [...] [--op grouped|grouped_k]
         [--max-buckets 8] [--tol 0.02] [--layer grouped.yaml]
         [--write-table configs/sm90.yaml] [--report fit.md]
 
@@ -23,7 +23,6 @@ output depends on the records only.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from detgemm_cute import registry
 from detgemm_cute.benchlib.stats import geomean
+from detgemm_cute.tune.fit_command import OPENERS
 from detgemm_cute.tune.layer import bucket_lines
 from detgemm_cute.tune.table import Point, build_boxes, bucket_name
 
@@ -58,7 +58,7 @@ def read_records(paths) -> tuple[dict, list[str], dict, list[dict]]:
     """(meta of the first file, candidate names, {name: kernel fields}, rows of all files)."""
     meta, names, fields, rows = None, [], {}, []
     for path in paths:
-        opener = gzip.open if str(path).endswith(".gz") else open
+        opener = OPENERS.get(Path(path).suffix, open)  # .json, .json.gz, .json.xz
         with opener(path, "rt", encoding="utf-8") as f:
             rec = json.load(f)
         if not isinstance(rec, dict) or "rows" not in rec or "candidates" not in rec:
