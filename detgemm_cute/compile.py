@@ -18,9 +18,10 @@ Caches:
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
+
+from .env import env_flag
 
 DTYPES = ("bf16", "fp16")
 OUT_DTYPES = ("bf16", "fp16", "fp32")
@@ -106,7 +107,7 @@ def report_offs() -> bool:
     """Whether grouped kernels built from now on print a bad offs entry before they trap
     (``DETGEMM_CUTE_REPORT_OFFS=1``, read when a call's plan is made): for debugging, as
     the printing build runs its WGMMAs one at a time (`KernelKey.offs_report`)."""
-    return os.environ.get(REPORT_OFFS_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return env_flag(REPORT_OFFS_ENV, False)
 
 
 _lock = threading.Lock()

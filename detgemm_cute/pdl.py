@@ -22,14 +22,12 @@ import) or `set_enabled(True)` turns it on; each setting is its own compiled ker
 
 from __future__ import annotations
 
-import os
-
 from . import registry
+from .env import env_flag
 
 ENV_VAR = "DETGEMM_CUTE_PDL"
-_ON = ("1", "on", "true", "yes")
 
-_enabled = os.environ.get(ENV_VAR, "0").strip().lower() in _ON
+_enabled = env_flag(ENV_VAR, False)
 
 
 def enabled() -> bool:

@@ -36,11 +36,11 @@ parts: its kernel splits W in registers and runs the same chunks and adds.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 
+from .env import env_flag
 from .kernels import tensor_needs as needs
 
 BLOCK_K = 32  # original K per chunk
@@ -234,7 +234,7 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
 
 
 # Read once at import: the split runs on every fp32 GEMM.
-_KERNELS_ON = os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "off", "false")
+_KERNELS_ON = env_flag(KERNEL_ENV, True)
 
 
 def _kernels_on() -> bool:

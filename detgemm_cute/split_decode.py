@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
 from . import split
+from .env import env_flag
 from .kernels import tensor_needs as needs
 
 MAX_M = 64  # above, X's rows (128 in fp32, 2 stages: 272 KiB) do not fit one CTA
@@ -46,15 +46,14 @@ SM80_MAX_M = 32  # sm_80's 163 KiB cannot stage 64 rows of X
 X_FP32_M = 8  # rows of X (m_rows) from which X is staged as fp32 and split in registers
 X_INLINE_M = 4  # rows of X (m_rows) up to which the kernel takes X's row scales itself
 ENV = "DETGEMM_CUTE_FP32_DECODE"
-_ON = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false")
+_ON = env_flag(ENV, True)
 CTAS_PER_SM = 2
 # The streaming kernel guesses W's row scales (the weight's scales from its last call on the
 # stream, kept in `guesses`' buffers) instead of taking the row maxima before the block, and
 # checks them against the maxima of the values it split: a block whose guess was wrong runs
 # again at the right scales. A weight that has not changed since its last call (decode) is
 # read once instead of twice. ``DETGEMM_CUTE_FP32_GUESS=0`` (read at import) turns it off.
-GUESS = os.environ.get("DETGEMM_CUTE_FP32_GUESS", "1").strip().lower() not in ("0", "off",
-                                                                               "false")
+GUESS = env_flag("DETGEMM_CUTE_FP32_GUESS", True)
 # Rows of X -> (rows of W per block, chunks per warp and round, stages, CTAs per SM) of the
 # streaming kernel with guessed scales (X in fp32; its scales in the kernel up to 4 rows).
 GUESS_SHAPES = {1: (8, 2, 2, 2), 2: (8, 2, 2, 2), 4: (8, 2, 2, 2), 8: (8, 2, 3, 2),

@@ -379,6 +379,12 @@ def test_odd_multiple_of_8_widths_store_8_column_sub_tiles(tmp_path, tile, clust
                           _audited_ptx(wide, tmp_path))) == {"x4"}
 
 
+# A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.
+_GROUPED_KEY = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
+                    dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
+                    has_bias=False, arch="sm_90a", grouped=True)
+
+
 def test_grouped_kernels_call_no_function_unless_asked_to_report_offs(tmp_path, monkeypatch):
     """A function call anywhere in a kernel makes ptxas issue its WGMMAs one at a time
     (C7510). The grouped kernels check offs with a trap alone, so their PTX calls nothing
@@ -386,9 +392,7 @@ def test_grouped_kernels_call_no_function_unless_asked_to_report_offs(tmp_path, 
     DETGEMM_CUTE_REPORT_OFFS when a plan is made) calls printf, which the audit reports."""
     from detgemm_cute import compile as kcompile
 
-    base = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True, dtype="bf16",
-                out_dtype="bf16", a_major="k", b_form="kn", b_contig="last", has_bias=False,
-                arch="sm_90a")
+    base = dict(_GROUPED_KEY, grouped=False)
     for kind in ({"grouped": True}, {"grouped_k": True, "a_major": "m"}):
         key = kcompile.KernelKey(**{**base, **kind})
         assert "C7510" not in _assert_no_spills(_audited_ptx(key, tmp_path), tmp_path)
@@ -423,11 +427,8 @@ def test_ptxas_notes_name_what_costs_speed(tmp_path, monkeypatch):
     from detgemm_cute import compile as kcompile
 
     if shutil.which("ptxas"):
-        base = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
-                    dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn",
-                    b_contig="last", has_bias=False, arch="sm_90a", grouped=True)
         notes = {report: aot.ptxas_notes(kcompile.build(
-            kcompile.KernelKey(**base, offs_report=report),
+            kcompile.KernelKey(**_GROUPED_KEY, offs_report=report),
             f"--keep-ptx --dump-dir={tmp_path}").__ptx__ or "", "sm_90a")
             for report in (False, True)}
         assert notes[False] == []
