@@ -11,7 +11,8 @@ group ends:
 - `round64`: the routing's sizes rounded to multiples of 64 (a last tile of exactly 64 rows:
   one warpgroup idle, no tile moved back);
 - `round16`: rounded to multiples of 16;
-- `torch_loop`: a per-expert torch.mm loop on the random groups (the drift reference).
+- `torch_loop`: a per-expert torch.mm loop on the random groups (the drift reference);
+  `lt_loop` the same under cuBLASLt with split-K off (the same bits as detgemm).
 
     python bench/probe_grouped_ragged.py --out F.json
 """
@@ -21,13 +22,15 @@ import torch
 
 import detgemm_cute as dg
 from detgemm_cute.benchlib.timing import time_units
-from moe_layers import make_set, torch_loop
+from moe_layers import lt_loop, make_set, torch_loop
 from probe_grouped_gap import PLAN
 from sweep_common import probe_args, write_probe
 
-LAYERS = [("mixtral up T=16384", 8, 32768, 4096, 14336),
-          ("mixtral down T=16384", 8, 32768, 14336, 4096),
-          ("mixtral down T=4096", 8, 8192, 14336, 4096)]
+LAYERS = [("mixtral fused up T=1024", 8, 2048, 4096, 28672),
+          ("mixtral fused up T=2048", 8, 4096, 4096, 28672),
+          ("mixtral down T=4096", 8, 8192, 14336, 4096),
+          ("mixtral up T=16384", 8, 32768, 4096, 14336),
+          ("mixtral down T=16384", 8, 32768, 14336, 4096)]
 
 
 def rounded(sizes, step, total):
@@ -51,7 +54,7 @@ def time_layer(layer, gen, cap) -> dict:
     offs = {nm: torch.tensor(v).cumsum(0).to(torch.int32).cuda() for nm, v in layouts.items()}
     fns = {nm: (lambda o: lambda st: dg.grouped_mm(st[0], st[1], o))(o)
            for nm, o in offs.items()}
-    fns["torch_loop"] = torch_loop
+    fns["torch_loop"], fns["lt_loop"] = torch_loop, lt_loop
     us = {nm: r.get("us") for nm, r in time_units(fns, [s], PLAN, cap).items()}
     print(f"{label:22s} " + "  ".join(f"{nm} {v:8.1f}" for nm, v in us.items() if v)
           + f"  random/even {us['even'] / us['random']:.3f}", flush=True)

@@ -380,6 +380,33 @@ def test_odd_multiple_of_8_widths_store_8_column_sub_tiles(tmp_path, tile, clust
 
 
 # A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("tile, cluster, stages, pingpong, swap", [
+    ((128, 192, 64), (1, 2), 5, True, False), ((128, 192, 64), (2, 1), 5, True, False),
+    ((128, 192, 64), (1, 1), 4, True, True), ((128, 256, 64), (1, 2), 4, False, False)])
+def test_accumulating_dw_kernels_load_c_without_per_element_guards(tmp_path, tile, cluster,
+                                                                    stages, pingpong, swap):
+    """`dW +=` starts each tile's chain from C (`_init_acc`). A tile inside C loads it with
+    no guard (fp32 pairs where C's rows are contiguous: half as many 8-byte loads as the
+    thread's accumulators); a guard on every element made ptxas spill and serialize the
+    WGMMAs (C7511) of the 128x192 ping-pong kernels. With ptxas at hand: no spills and no
+    performance warning, on the dW tables' ping-pong kernels and a cooperative one."""
+    import re
+
+    from detgemm_cute import compile as kcompile
+
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=stages, persistent=True,
+                             pingpong=pingpong, dtype="bf16", out_dtype="fp32", a_major="m",
+                             b_form="kn", b_contig="last", has_bias=False, arch="sm_90a",
+                             swap_ab=swap, accumulate=True)
+    ptx = _audited_ptx(key, tmp_path)
+    per_thread = tile[0] * tile[1] // (128 if pingpong else 256)
+    if not swap:
+        pairs = re.findall(r"^\s*ld\.global\.v2\.b32\s", ptx, re.M)
+        assert len(pairs) >= per_thread // 2
+    assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
+
+
 _GROUPED_KEY = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
                     dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
                     has_bias=False, arch="sm_90a", grouped=True)

@@ -717,8 +717,15 @@ class Sm90Base(EpilogueStores):
     @cute.jit
     def _init_acc(self, acc, thr_mma_thread, mC_in_mnl, tile_m, tile_n, tile_l):
         """Start the chain: +0.0, or (dW +=) the fp32 values already in C, so this call
-        continues exactly where the previous one stopped. Elements past M or N stay 0;
-        the TMA store clips them."""
+        continues exactly where the previous one stopped. Elements past C's edge are never
+        stored (the TMA store clips them), so their start value does not matter.
+
+        A tile inside C loads it with no guard. An edge tile guards its loads. In a
+        ping-pong kernel a consumer's accumulators hold the whole tile (192 of its 232
+        registers at 128x192). There a guard per element made ptxas spill and issue every
+        WGMMA alone (C7511), so only the rows are guarded and the columns are clamped to C's
+        last one. A cooperative consumer holds half the tile and guards both (the clamp
+        spilled there). `detgemm-cute compile --ptxas` shows such warnings."""
         acc.fill(0.0)
         if cutlass.const_expr(self.accumulate):
             mC_in = mC_in_mnl[(None, None, tile_l)]
@@ -739,9 +746,21 @@ class Sm90Base(EpilogueStores):
                                      (tile_m, tile_n))
                 tCgC = thr_mma_thread.partition_C(gC)
                 tCcC = thr_mma_thread.partition_C(cC)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    if cute.elem_less(tCcC[i], mC_in.shape):
+                inside = ((tile_m + 1) * bm <= mC_in.shape[0]
+                          and (tile_n + 1) * bn <= mC_in.shape[1])
+                if inside:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
                         acc[i] = tCgC[i]
+                elif cutlass.const_expr(self.pingpong):
+                    m_last, n_last = mC_in.shape[0] - 1, mC_in.shape[1] - 1
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, c = tCcC[i]
+                        if r <= m_last:
+                            acc[i] = mC_in[(r, cutlass.min(c, n_last))]
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        if cute.elem_less(tCcC[i], mC_in.shape):
+                            acc[i] = tCgC[i]
 
     @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, place):
