@@ -379,7 +379,6 @@ def test_odd_multiple_of_8_widths_store_8_column_sub_tiles(tmp_path, tile, clust
                           _audited_ptx(wide, tmp_path))) == {"x4"}
 
 
-# A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.
 @pytest.mark.slow
 @pytest.mark.parametrize("tile, cluster, stages, pingpong, swap", [
     ((128, 192, 64), (1, 2), 5, True, False), ((128, 192, 64), (2, 1), 5, True, False),
@@ -402,11 +401,12 @@ def test_accumulating_dw_kernels_load_c_without_per_element_guards(tmp_path, til
     ptx = _audited_ptx(key, tmp_path)
     per_thread = tile[0] * tile[1] // (128 if pingpong else 256)
     if not swap:
-        pairs = re.findall(r"^\s*ld\.global\.v2\.b32\s", ptx, re.M)
+        pairs = re.findall(r"^\s*ld\.global(?:\.\w+)*\.v2\.[bf]32\s", ptx, re.M)
         assert len(pairs) >= per_thread // 2
     assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
 
 
+# A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.
 _GROUPED_KEY = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
                     dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",
                     has_bias=False, arch="sm_90a", grouped=True)
