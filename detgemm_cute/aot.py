@@ -244,15 +244,21 @@ _PTXAS_NOTE = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (.*?)(?: in
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def ptxas_path() -> str | None:
+    """The ptxas `--ptxas` runs (the first on PATH), or None."""
+    import shutil
+
+    return shutil.which("ptxas")
+
+
 def ptxas_notes(ptx: str, arch: str) -> list[str]:
     """What `ptxas -v` (on PATH) says of one kernel's PTX that costs speed: its performance
     warnings ("C7510: wgmma.mma_async instructions are serialized due to ...") and its spill
     bytes. The library never needs ptxas (the DSL assembles its kernels itself); this is a
     diagnostic of `detgemm-cute compile --ptxas`."""
-    import shutil
     import subprocess
 
-    exe = shutil.which("ptxas")
+    exe = ptxas_path()
     if exe is None:
         raise RuntimeError("ptxas is not on PATH (it comes with the CUDA toolkit)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -336,12 +342,9 @@ def compile_buckets(arch: str, bucket_names=None, out=print, variants: str = "co
     if variants not in ("core", "all"):
         out(f"compile: unknown variants {variants!r} (core or all)")
         return 1
-    if ptxas:
-        import shutil
-
-        if shutil.which("ptxas") is None:
-            out("compile: --ptxas needs ptxas on PATH (it comes with the CUDA toolkit)")
-            return 1
+    if ptxas and ptxas_path() is None:
+        out("compile: --ptxas needs ptxas on PATH (it comes with the CUDA toolkit)")
+        return 1
     try:
         family = kcompile.family_of(arch)
         buckets = _selected(registry.get_registry(family), bucket_names, family)
