@@ -300,9 +300,10 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                                                   drain=not self.pingpong)
         if cutlass.const_expr(self.pingpong):
             self._turn_pass(1 - consumer, _MMA_TURN)  # all issued: the other's turn
+            # Unconditional (a no-op after a tile that issued nothing): a wait on a
+            # data-dependent path makes ptxas add its own and serialize every WGMMA (C7518).
+            cute.nvgpu.warpgroup.wait_group(0)
         if place.loads:
-            if cutlass.const_expr(self.pingpong):
-                cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release)
             release.advance()
         if cutlass.const_expr(self.pingpong):
