@@ -226,7 +226,10 @@ def row_table(points, picks: dict) -> list[str]:
 
 
 def short(name) -> str:
-    return "-" if name is None else name.split(".", 1)[-1].replace("x64_", "_").replace("_p", "")
+    """'gcand.128x192x64_c1x2_s5_p_pingpong' -> '128x192_c1x2_s5_pingpong'."""
+    if name is None:
+        return "-"
+    return re.sub(r"_p(?=$|_)", "", name.split(".", 1)[-1].replace("x64_", "_"))
 
 
 def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True, op="grouped"):

@@ -18,6 +18,9 @@ Problems run in priority order (issue 41's layers first, then every model at one
 before the next count), so a run cut by --max-seconds still spans every model.
 
     python bench/sweep_grouped.py --out "$OUT/grouped_sweep.json" --jobs 14 --max-seconds 270
+    python bench/sweep_grouped.py ... --only 128x256x64_c1x2_s4_p,128x192x64_c1x2_s5_p_pingpong
+
+`--only` keeps the named candidates (their bucket names without the `gcand.` prefix).
 """
 
 import argparse
@@ -56,11 +59,13 @@ CANDIDATES = [  # persistent, cooperative: tile, cluster [CM, CN], stages
         ((128, 256, 64), (2, 1), 4), ((128, 256, 64), (2, 2), 4), ((128, 192, 64), (2, 1), 4),
         ((128, 224, 64), (2, 1), 4), ((128, 160, 64), (2, 1), 5), ((256, 128, 64), (2, 1), 4),
         ((128, 128, 64), (2, 2), 6), ((64, 256, 64), (2, 1), 5), ((128, 256, 64), (4, 1), 4))
-] + [  # ping-pong consumers (one warpgroup per tile): the dense fwd table's ping-pong tiles
+] + [  # ping-pong consumers (one warpgroup per tile): the dense fwd table's ping-pong tiles;
+    # the last two since their WGMMAs no longer serialize (C7518: 2026-11-29)
     {"tile": t, "cluster": c, "stages": s, "persistent": True, "pingpong": True}
     for t, c, s in (((128, 128, 64), (1, 2), 6), ((128, 144, 64), (1, 2), 5),
                     ((64, 256, 64), (1, 2), 5), ((128, 192, 64), (2, 1), 5),
-                    ((128, 128, 64), (2, 2), 6))]
+                    ((128, 128, 64), (2, 2), 6), ((128, 192, 64), (1, 2), 5),
+                    ((128, 160, 64), (1, 2), 5))]
 # The grouped-K kernel (dw pass): persistent, cooperative; clusters of either shape.
 CANDIDATES_K = [
     {"tile": t, "cluster": c, "stages": s, "persistent": True} for t, c, s in (
@@ -150,6 +155,9 @@ def parse_args(argv=None):
     p.add_argument("--passes", default="fwd,dx", help="fwd, dx and/or dw")
     p.add_argument("--candidates", type=int, default=len(CANDIDATES),
                    help="the first N candidates only")
+    p.add_argument("--only", default="",
+                   help="comma-separated candidates to keep, by name without the prefix "
+                        "(e.g. 128x192x64_c1x2_s5_p_pingpong); default: all")
     p.add_argument("--jobs", type=int, default=0, help="prebuild the kernels in N processes")
     p.add_argument("--max-seconds", type=float, default=480.0)
     args = p.parse_args(argv)
@@ -184,6 +192,12 @@ def main(argv=None) -> int:
         if "dw" in args.passes:
             by_pass["dw"] = candidate_layer(Path(tmp) / "candidates_k.yaml", "grouped_k",
                                             "gkcand", CANDIDATES_K[:args.candidates])
+    if args.only:
+        keep = set(args.only.split(","))
+        by_pass = {p: [nm for nm in v if nm.split(".", 1)[1] in keep] for p, v in by_pass.items()}
+        if not all(by_pass.values()):
+            print(f"--only {args.only}: no candidate of a pass left", file=sys.stderr)
+            return 2
     names = list(dict.fromkeys(nm for p in args.passes for nm in by_pass[p]))
     plan = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
                       warm_replays=1, est_min_ms=0.3)
