@@ -12,7 +12,7 @@ split-K). Rows of the other op's passes are left out. The boxes come from `detge
 (`build_boxes`: split (M, N, K) where one candidate is more than `tol` slower than a point's
 best, at most `max_buckets` boxes, then merge neighbours with the same pick), so the buckets
 cover every (M, N, K) exactly once. Prints, per row, the current table's pick and the fitted
-pick against the better torch path, and the same with each model left out of the fit.
+pick against the fastest torch path, and the same with each model left out of the fit.
 
 `--layer` writes the buckets as a user layer (try it with DETGEMM_CUTE_CONFIG before changing
 the table); `--write-table` replaces the table's block of the op, between the lines
@@ -83,7 +83,7 @@ def fields_of_name(name: str) -> dict:
 
 
 def peer_us(row) -> tuple[float | None, str | None]:
-    """(time, name) of the faster torch path on a row."""
+    """(time, name) of the fastest torch path on a row."""
     got = [(v, nm) for nm, v in row["us"].items() if nm in PEERS and v]
     return min(got) if got else (None, None)
 
@@ -169,9 +169,10 @@ def bucket_note(box, meta, op="grouped") -> str:
     ms = [p.m if op == "grouped" else p.k for p in box.points]
     what = "rows" if op == "grouped" else "tokens"
     return (f"{meta.get('device', '?')} {meta.get('date', '?')[:10]}, {len(box.points)} MoE "
-            f"GEMMs with {min(ms)}..{max(ms)} {what} per expert: {geomean(sp):.3f}x the better "
-            f"of torch._grouped_mm and a per-expert torch.mm loop (geomean, CUDA graphs), "
-            f"worst {min(sp):.2f}x" if sp else "no measured points")
+            f"GEMMs with {min(ms)}..{max(ms)} {what} per expert: {geomean(sp):.3f}x the "
+            f"fastest of torch._grouped_mm, a per-expert torch.mm loop and that loop under "
+            f"cuBLASLt without split-K (geomean, CUDA graphs), worst {min(sp):.2f}x"
+            if sp else "no measured points")
 
 
 def block_lines(boxes, fields, meta, header, op="grouped") -> list[str]:
@@ -245,7 +246,8 @@ def fit(paths, tol=0.02, max_buckets=8, table=None, leave_out=True, op="grouped"
     loo = leave_one_model_out(points, names, tol, max_buckets) if leave_out else [None]
     oracle = [p.peers["torch"] / p.best for p in points]
     head = [f"{len(points)} MoE GEMMs ({len({p.label.split(' ')[0] for p in points})} models),"
-            f" {len(names)} candidates; vs the better of torch._grouped_mm and the loop:",
+            f" {len(names)} candidates; vs the fastest torch path (torch._grouped_mm, the"
+            f" per-expert loop, the loop under cuBLASLt without split-K):",
             f"current table: {summary(speeds(points, current))}",
             f"fitted ({len(boxes)} buckets): {summary(speeds(points, fitted))}",
             "fitted, each model left out: "

@@ -1,8 +1,9 @@
 """Where a grouped launch loses to a loop of dense GEMMs when nothing is ragged (needs an SM90
 GPU). Mixtral 8x7B's unfused layers at 16384 tokens, top-2, groups of exactly 4096 rows (so
 every tile is whole and the tile count sits far from a wave boundary), one kernel for all:
-128x256 tiles on 1x2 clusters, 4 stages, persistent (the grouped and dense tables' pick
-there), forced by name in both ops. On the same operands, in one interleaved `time_units`
+128x256 tiles on 1x2 clusters, 4 stages, persistent (the grouped table's pick there until
+its 2026-11-29 refit put ping-pong tiles at 225 rows per expert and more), forced by name in
+both ops. On the same operands, in one interleaved `time_units`
 run per layer:
 
 - `grouped8`: one grouped launch over the 8 groups;

@@ -20,7 +20,8 @@ before the next count), so a run cut by --max-seconds still spans every model.
     python bench/sweep_grouped.py --out "$OUT/grouped_sweep.json" --jobs 14 --max-seconds 270
     python bench/sweep_grouped.py ... --only 128x256x64_c1x2_s4_p,128x192x64_c1x2_s5_p_pingpong
 
-`--only` keeps the named candidates (their bucket names without the `gcand.` prefix).
+`--only` keeps the named candidates: exact bucket names without the `gcand.` (fwd, dx) or
+`gkcand.` (dw) prefix, unlike `sweep_bmm.py --only`, which takes substrings.
 """
 
 import argparse
@@ -156,8 +157,8 @@ def parse_args(argv=None):
     p.add_argument("--candidates", type=int, default=len(CANDIDATES),
                    help="the first N candidates only")
     p.add_argument("--only", default="",
-                   help="comma-separated candidates to keep, by name without the prefix "
-                        "(e.g. 128x192x64_c1x2_s5_p_pingpong); default: all")
+                   help="comma-separated candidates to keep, by exact name without the "
+                        "prefix (e.g. 128x192x64_c1x2_s5_p_pingpong); default: all")
     p.add_argument("--jobs", type=int, default=0, help="prebuild the kernels in N processes")
     p.add_argument("--max-seconds", type=float, default=480.0)
     args = p.parse_args(argv)
@@ -194,9 +195,11 @@ def main(argv=None) -> int:
                                             "gkcand", CANDIDATES_K[:args.candidates])
     if args.only:
         keep = set(args.only.split(","))
+        known = {nm.split(".", 1)[1] for v in by_pass.values() for nm in v}
         by_pass = {p: [nm for nm in v if nm.split(".", 1)[1] in keep] for p, v in by_pass.items()}
-        if not all(by_pass.values()):
-            print(f"--only {args.only}: no candidate of a pass left", file=sys.stderr)
+        if keep - known or not all(by_pass.values()):
+            print(f"--only: unknown {sorted(keep - known)} or no candidate of a pass left; "
+                  f"known: {', '.join(sorted(known))}", file=sys.stderr)
             return 2
     names = list(dict.fromkeys(nm for p in args.passes for nm in by_pass[p]))
     plan = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds=1,
