@@ -42,14 +42,16 @@ def staged_a_rows():
 CANDIDATE_K = (1, 1)
 
 
-def candidate_layer(path: Path, op: str, name: str, candidates) -> list[str]:
+def candidate_layer(path: Path, op: str, name: str, candidates,
+                    dtypes=("bf16", "fp16")) -> list[str]:
     """Write `candidates` (dicts of kernel fields: tile, cluster, stages, persistent, ...) as
-    the alternatives of one bucket `name` of `op` serving only K = 1 (`CANDIDATE_K`), add the
-    layer, and return the alternatives' bucket names (each is forced by name)."""
+    the alternatives of one bucket `name` of `op` (for `dtypes`) serving only K = 1
+    (`CANDIDATE_K`), add the layer, and return the alternatives' bucket names (each is forced
+    by name)."""
     alts = "".join("      - {" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in c.items())
                    + f", cost: [{int(i > 0)}, 0, 0, 0]}}\n" for i, c in enumerate(candidates))
     path.write_text(f"arch: sm90\nbuckets:\n  - name: {name}\n    op: {op}\n"
-                    f"    dtypes: [bf16, fp16]\n    m: [1, null]\n"
+                    f"    dtypes: [{', '.join(dtypes)}]\n    m: [1, null]\n"
                     f"    k: {list(CANDIDATE_K)}\n    sms: 132\n"
                     "    alternatives:\n" + alts)
     layer = registry.add_config(path)
@@ -65,11 +67,12 @@ def time_candidates(fns: dict, sets, plan, cap_stream, names):
     return us, errors, min((v, nm) for nm, v in us.items() if v and nm in names)
 
 
-def write_records(out: str, names, rows, fields=None, **meta) -> None:
+def write_records(out: str, names, rows, fields=None, rows_key="rows", **meta) -> None:
     """The sweep's JSON: the device (and `meta`), the candidates' names (and with `fields`
-    their kernel fields, {name: {tile, cluster, stages, ...}}), one row per problem."""
+    their kernel fields, {name: {tile, cluster, stages, ...}}), one row per problem (under
+    `rows_key`: "records" is what `detgemm-cute tune-fit` reads)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    record = {"meta": {**gpu.device_meta(), **meta}, "candidates": names, "rows": rows}
+    record = {"meta": {**gpu.device_meta(), **meta}, "candidates": names, rows_key: rows}
     if fields is not None:
         record["candidate_fields"] = fields
     tmp = Path(f"{out}.tmp")  # rewritten after every problem: a run killed mid-write keeps

@@ -87,14 +87,18 @@ def pdl_order_problems(ptx: str) -> list[str]:
     return []
 
 
-def _split_variants(bucket, which: str):
-    """fp32 buckets: the split operands are always K-major [rows, K'] 16-bit parts (B as
-    [N, K']: fp16 for fwd/dx, bf16 for dW), the output the fp32 accumulator (bias and
-    rounding come after); dW from +0.0 or continuing a buffer."""
+def _split_variants(bucket, which: str, family: str = "sm90"):
+    """fp32 buckets: the split operands are K-major [rows, K'] 16-bit parts (B as [N, K']:
+    fp16 for fwd/dx, bf16 for dW), the output the fp32 accumulator (bias and rounding come
+    after); dW from +0.0 or continuing a buffer. On sm90 a fwd or dx bucket's B may also be
+    parts split in place, N-major [K', N] (`split.scaled_columns_cuda`: dX's weight, mm's
+    [K, N] one)."""
     base = dict(dtype="bf16" if bucket.op == "dw" else "fp16", out_dtype="fp32", a_major="k",
                 b_form="nk", b_contig="last", has_bias=False, split=True)
     for acc in ((False, True) if bucket.op == "dw" else (False,)):
         yield dict(base, accumulate=acc)
+    if bucket.op in ("fwd", "dx") and family == "sm90":
+        yield dict(base, b_form="kn", accumulate=False)
 
 
 def _tf32_variants(bucket, which: str):
@@ -117,10 +121,10 @@ def _tf32_variants(bucket, which: str):
             yield dict(base, out_dtype=out, has_bias=bias)
 
 
-def _variants(bucket, which: str):
+def _variants(bucket, which: str, family: str = "sm90"):
     """The kernel keys to build for one bucket: per op, the layouts its calls use."""
     if "fp32" in bucket.dtypes:
-        yield from _split_variants(bucket, which)
+        yield from _split_variants(bucket, which, family)
         return
     if "tf32" in bucket.dtypes:
         yield from _tf32_variants(bucket, which)
@@ -187,7 +191,7 @@ def _bucket_keys(bucket, arch: str, which: str):
     bmm, the twin that reads a K-major A of unaligned rows with the producer warpgroup
     (`batched.reads_a_rows`), so a warmed cache serves those widths too."""
     family = kcompile.family_of(arch)
-    for call in _variants(bucket, which):
+    for call in _variants(bucket, which, family):
         if not kcompile.a_major_builds(arch, bucket.tile[0], call["a_major"]):
             continue  # never asked for: the op layer stages such an A first
         key = kcompile.KernelKey.for_bucket(bucket, arch=arch, **call)

@@ -292,9 +292,9 @@ def _make_plan(op, a, b, b_form, bias, out_dtype, acc, m, n, k, tier=0):
     swap = bucket.swap_ab and not split_in
     if swap:  # the kernel's A is op(B)^T ([N, K]), its B the caller's A ([M, K], "nk")
         a, b, b_form = swapped_operands(a, b, b_form)
-    if split_in:
+    if split_in:  # K-major parts, B's [N, K'] or its N-major [K', N] (`split.columns_apply`)
         stage_a = stage_b = None
-        a_major, b_form_eff, b_contig = "k", "nk", "last"
+        a_major, b_form_eff, b_contig = "k", b_form, "last"
     else:
         a_unit, b_contig = _unit_dim(a), _unit_dim(b)
         if a_unit == "first" and bucket.tile[0] < 64:
@@ -456,7 +456,8 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     """The fp32 tier's full precision on the GPU (`split`). fwd/dX: scale and split both
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
     bias and the one rounding; with few rows (`split_decode.applies`) W's split runs inside
-    the GEMM instead, with the same bits. dW: exact bf16 parts, no scales, the chunked GEMM
+    the GEMM instead, with the same bits. A B given N-major ("kn": dX's weight, mm's [K, N])
+    is split in place into N-major parts (`split.scaled_columns_cuda`), not copied K-major. dW: exact bf16 parts, no scales, the chunked GEMM
     continuing `acc`. (Precision "tf32" runs the TF32 kernels through the plain path.)"""
     b_nk = b if b_form == "nk" else b.t()
     if op == "dw":
@@ -468,10 +469,14 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     elif _forced.name is None and split_decode.applies(a, b_nk, acc, op):  # W split in-GEMM
         y, bias = launch_on(a.device, split_decode.decode_gemm, a, b_nk, bias), None
     else:
-        (a2, sa), (b2, sb) = (split.scaled_operand_cuda(a, "a"),
-                              split.scaled_operand_cuda(b_nk, "b"))
+        a2, sa = split.scaled_operand_cuda(a, "a")
+        if b_form == "kn" and arch_of(a.device) == "sm90" and split.columns_apply(b):
+            # dX's W (or mm's [K, N] weight): split in place, the parts read N-major
+            (b2, sb), b2_form = split.scaled_columns_cuda(b), "kn"
+        else:
+            (b2, sb), b2_form = split.scaled_operand_cuda(b_nk, "b"), "nk"
         c = None if acc is None else split.scale_acc(acc, sa, sb)
-        c = gemm(a2, b2, "nk", None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
+        c = gemm(a2, b2, b2_form, None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
         y = split.unscale(c, sa, sb)
         if acc is not None:
             return acc.copy_(y)

@@ -233,6 +233,33 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
     return out, scale
 
 
+def columns_apply(w: torch.Tensor) -> bool:
+    """Whether `scaled_columns_cuda` takes W [R, C] (the B of dX = dY @ W, or of mm's [K, N]
+    weight) in place: the split kernels on, R >= 1, C a multiple of 8 (16-byte rows of fp16
+    parts for TMA), W's rows 16-byte loads (`tensor_needs.SPLIT_ROWS`). (The caller also
+    asks for the sm90 kernels, which read the parts N-major.)"""
+    return (_kernels_on() and w.dim() == 2 and w.shape[0] > 0 and w.shape[1] % 8 == 0
+            and needs.SPLIT_ROWS.meets(w))
+
+
+def scaled_columns_cuda(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts [96 ceil(R / 32), C] fp16, scales [C] fp32) of W [R, C] whose reduction runs
+    down its columns: the bits of ``operand(w.t(), row_scales(w.t()), "b")`` laid out as its
+    transpose, with no transposed copy of W (`kernels.split_columns`; `columns_apply` says
+    where it runs)."""
+    rows, cols = w.shape
+    blocks = -(-rows // BLOCK_K)
+    top = torch.zeros((cols,), dtype=torch.int32, device=w.device)
+    out = torch.empty((blocks * CHUNK_K, cols), dtype=PART_DTYPE, device=w.device)
+    scale = torch.empty((cols,), dtype=torch.float32, device=w.device)
+    w3 = w.as_strided((rows, cols // 4, 4), (w.stride(0), 4, 1))
+    top2, scale2 = top.view(cols // 4, 4), scale.view(cols // 4, 4)
+    _kernel("columns", "max", w.device)(w3, top2)
+    _kernel("columns", "b", w.device)(w3, top2, out.view(blocks, 3, BLOCK_K, cols // 4, 4),
+                                      scale2)
+    return out, scale
+
+
 # Read once at import: the split runs on every fp32 GEMM.
 _KERNELS_ON = env_flag(KERNEL_ENV, True)
 
@@ -292,6 +319,8 @@ def _compile_kernel(scheme: str, side: str, arch: str):
 
     from .kernels.split_parts import SplitBf16Exact, SplitFp16Parts
 
+    if scheme == "columns":
+        return _compile_columns(side, arch)
     block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
     rows, blocks = cute.sym_int(), cute.sym_int()
     # X [rows, blocks, block/4, 4] and the parts [rows, blocks, groups, block/4, 4]: views
@@ -308,6 +337,30 @@ def _compile_kernel(scheme: str, side: str, arch: str):
         return cute.compile(SplitBf16Exact(side), x, o, stream, options=options)
     s = needs.fake(cutlass.Float32, (rows,), needs.SPLIT_SCALES)
     return cute.compile(SplitFp16Parts(side), x, s, o, stream, options=options)
+
+
+def _compile_columns(step: str, arch: str):
+    """`kernels.split_columns`' maxima (`step` "max") or split ("b") kernel: W [R, C/4, 4]
+    (16-byte rows), top and scales [C/4, 4], parts [R'/96, 3, 32, C/4, 4] contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernels.split_columns import ColumnMaxima, SplitFp16Columns
+
+    rows, quads, blocks = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    w = needs.fake(cutlass.Float32, (rows, quads, 4), needs.SPLIT_ROWS,
+                   strides=(needs.BYTES16, 4, needs.UNIT))
+    quad_rows = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
+    top = needs.fake(cutlass.Int32, (quads, 4), quad_rows)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if step == "max":
+        return cute.compile(ColumnMaxima(), w, top, stream, options=options)
+    o = needs.fake(cutlass.Float16, (blocks, 3, BLOCK_K, quads, 4), needs.SPLIT_PARTS,
+                   strides=(needs.BYTES16, needs.BYTES16, needs.BYTES16, 4, needs.UNIT))
+    s = needs.fake(cutlass.Float32, (quads, 4), quad_rows)
+    return cute.compile(SplitFp16Columns(), w, top, o, s, stream, options=options)
 
 
 def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

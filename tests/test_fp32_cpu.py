@@ -129,3 +129,40 @@ def test_split_and_chunked_kernels_compile_on_cpu():
     for scheme in ("scaled", "exact"):
         for arch in ("sm_90", "sm_80"):  # CUDA-core helpers: built for the GPU's own arch
             assert split._compile_kernel(scheme, "a", arch) is not None
+    for step in ("max", "b"):  # the in-place split of dX's weight (sm90 only)
+        assert split._compile_kernel("columns", step, "sm_90") is not None
+    dx = registry.get_registry("sm90").bucket("dx_fp32_m513")
+    forms = [call["b_form"] for call in aot._split_variants(dx, "core", "sm90")]
+    assert forms == ["nk", "kn"] and "kn" not in [
+        call["b_form"] for call in aot._split_variants(dx, "core", "sm80")]
+    call = list(aot._split_variants(dx, "core", "sm90"))[1]
+    assert kcompile.build(kcompile.KernelKey.for_bucket(dx, arch="sm_90a", **call)) is not None
+
+
+# (bucket, op, committed sweep record) of the fp32 tier's small-M buckets with alternatives
+SMALL_M_FITS = (("fwd_fp32_m65_512", "fwd", "fp32_sweep_nvidia-h200.json.xz"),
+                ("dx_fp32_m1_512", "dx", "fp32_sweep_dx_nvidia-h200.json.xz"))
+
+
+@pytest.mark.parametrize("bucket,op,record", SMALL_M_FITS)
+def test_fp32_small_m_buckets_are_the_fit_of_their_sweeps(tmp_path, bucket, op, record):
+    """configs/sm90.yaml's alternatives (kernels and costs) for the fp32 tier at M 65..512 are
+    `detgemm-cute tune-fit` of the committed `bench/sweep_fp32.py` records."""
+    import argparse
+    from pathlib import Path
+
+    from detgemm_cute.tune import fit_command
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "results" / "tune" / record
+    p = argparse.ArgumentParser()
+    fit_command.add_arguments(p)
+    out = tmp_path / "fit.yaml"
+    args = p.parse_args([str(path), "--ops", op, "--m-min", "65", "--m-max", "512",
+                         "--bucket-dtypes", "fp32", "--name", "fit", "--out", str(out)])
+    assert fit_command.run(args, out=lambda *a: None) == 0
+    fitted = registry.load_config(out, arch="sm90").buckets
+    table = [b for b in registry.get_registry("sm90").buckets if b.group == bucket]
+    assert [(b.tile, b.cluster, b.stages, b.persistent) for b in fitted] == [
+        (b.tile, b.cluster, b.stages, b.persistent) for b in table]
+    for f, t in zip(fitted, table):
+        assert f.cost == pytest.approx(t.cost, rel=1e-3, abs=1e-3), t.name

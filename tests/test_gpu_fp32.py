@@ -193,6 +193,44 @@ def test_one_pass_split_kernel_same_bits_as_pytorch(shape):
         assert same_bits_nan(split.exact_operand_cuda(x.t().contiguous().t(), side), want)
 
 
+@pytest.mark.parametrize("shape", [(300, 776), (64, 4096), (1, 32), (33, 8), (1000, 264)])
+def test_column_split_kernel_same_bits_as_pytorch(shape):
+    """W [R, C] split in place with per-column scales: the transpose of the PyTorch split
+    of W^T (R not a multiple of 32 pads zero rows)."""
+    from detgemm_cute import split
+
+    w = rand(*shape, spread=True)
+    w[0, 0] = float("inf")
+    if shape[1] > 3:  # columns the scales clamp: zeros, subnormals; a NaN
+        w[:, 1] = 0.0
+        w[:, 2] = torch.randn(shape[0], device=DEV) * 2.0 ** -135
+        w[-1, 3] = float("nan")
+    s = split.row_scales(w.t())
+    want = split.operand(w.t(), s, "b")
+    poison()
+    parts, scales = split.scaled_columns_cuda(w)
+    assert parts.shape == (want.shape[1], shape[1])
+    assert same_bits_nan(parts.t(), want) and same_bits_nan(scales, s)
+
+
+@pytest.mark.parametrize("m,r,c", [(1, 64, 256), (65, 777, 264), (300, 1000, 1024),
+                                   (7, 40, 8), (129, 4096, 520)])
+def test_weight_read_in_place_same_bits(m, r, c):
+    """dX = dY @ W and mm(X, W [K, N]) split W in place (its reduction down the columns):
+    the reference's bits, and those of the same product with W copied K-major."""
+    from detgemm_cute import split
+
+    g = torch.Generator(device=DEV).manual_seed(m + r + c)
+    dy, w = rand(m, r, g=g, spread=True), rand(r, c, g=g)
+    assert split.columns_apply(w)
+    poison()
+    dx = dg.input_grad(dy, w)
+    want = reference.mm(dy.cpu(), w.cpu())
+    assert same_bits(dx.cpu(), want)
+    assert same_bits(dx, dg.linear(dy, w.t().contiguous()))
+    assert same_bits(dg.mm(dy, w).cpu(), want)
+
+
 def _misplaced(m, k, where, g):
     """fp32 [m, k] random values at an odd storage offset ("offset") or inside a wider
     buffer ("wider": a column window of a [m, k + 3] buffer starting one element in)."""

@@ -215,3 +215,56 @@ def test_split_staging_of_a_single_misaligned_row(emulated_split):
     assert torch.equal(split.exact_operand_cuda(row, "a"), split.exact_operand(row, "a"))
     parts, _ = split.scaled_operand_cuda(row, "a")
     assert torch.equal(parts, split.operand(row, split.row_scales(row), "a"))
+
+
+# The in-place split of a weight whose reduction runs down its columns (dX's W), emulated.
+
+@pytest.fixture
+def emulated_columns(monkeypatch):
+    """`split._kernel("columns", ...)` as CPU stand-ins that check each launch tensor against
+    the fake it was compiled with, then compute what the kernel writes with PyTorch."""
+    def fake_compile(kernel, *args, **kwargs):
+        return args
+
+    def kernel(scheme, step, device):
+        assert scheme == "columns"
+        with monkeypatch.context() as m:
+            m.setattr(cute, "compile", fake_compile)
+            fakes = [a for a in split._compile_kernel(scheme, step, "sm_90")
+                     if hasattr(a, "_assumed_align")]
+
+        def launch(*tensors):
+            for i, (fake_tensor, t) in enumerate(zip(fakes, tensors)):
+                if not launch_accepts(spec(fake_tensor), t):
+                    raise ValueError(f"Misaligned Tensor data on argument #{i}")
+            w3, top = tensors[0], tensors[1]
+            w = w3.reshape(w3.shape[0], -1)
+            if step == "max":
+                bits = w.view(torch.int32) & 0x7FFFFFFF
+                top.view(-1).copy_(torch.maximum(top.view(-1), bits.amax(dim=0)))
+                return
+            s = split.row_scales(w.t())
+            tensors[3].view(-1).copy_(s)
+            tensors[2].copy_(split.operand(w.t(), s, "b").t().reshape(tensors[2].shape))
+        return launch
+
+    monkeypatch.setattr(split, "_kernel", kernel)
+    monkeypatch.setattr(split, "_kernels_on", lambda: True)
+
+
+@pytest.mark.parametrize("r,c", [(40, 8), (300, 264), (1, 32)])
+@pytest.mark.parametrize("where", ["plain", "sliced"])
+def test_column_split_staging_meets_its_kernels(emulated_columns, r, c, where):
+    """W [R, C] split in place: the launch tensors meet the fakes, and the parts are the
+    transpose of the split of W^T (zero rows up to a multiple of 32)."""
+    g = torch.Generator().manual_seed(r + c)
+    w = torch.randn(r, c, generator=g)
+    if where == "sliced":  # rows of a wider buffer, 16-byte aligned
+        w = torch.empty(r + 1, c + 4)[1:, 4:].copy_(w)
+    assert split.columns_apply(w)
+    parts, scale = split.scaled_columns_cuda(w)
+    want_s = split.row_scales(w.t().contiguous())
+    assert torch.equal(scale, want_s)
+    assert torch.equal(parts.t(), split.operand(w.t().contiguous(), want_s, "b"))
+    assert not split.columns_apply(torch.randn(r, c + 4)[:, 1:c + 1])  # misaligned rows
+    assert not split.columns_apply(torch.randn(r, 12))  # parts rows not 16 bytes
