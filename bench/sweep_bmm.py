@@ -54,8 +54,8 @@ from detgemm_cute import batched, dispatch, gemm
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for
 from detgemm_cute.gemm import stage_k_major
-from sweep_common import (candidate_layer, policy_replaced, staged_a_rows, time_candidates,
-                          write_records)
+from sweep_common import (candidate_layer, no_gpu, policy_replaced, staged_a_rows,
+                          time_candidates, write_records)
 
 BF16 = torch.bfloat16
 # (name, query heads, head_dim): public configs; "/tpN": heads sharded N ways.
@@ -356,9 +356,7 @@ def candidate_names(args, names) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    err, _ = gpu.gpu_check()
-    if err:
-        print(err, file=sys.stderr)
+    if no_gpu():
         return 1
     t0 = time.time()
     probs = problem_list(args)

@@ -87,14 +87,19 @@ def write_probe(out: str, rows) -> int:
     return 0
 
 
+def no_gpu() -> bool:
+    """True, after printing why, when this machine cannot run a sweep or probe (no usable
+    GPU)."""
+    err, _ = gpu.gpu_check()
+    if err:
+        print(err, file=sys.stderr)
+    return bool(err)
+
+
 def probe_args(doc: str, argv=None):
     """A probe's arguments (`--out FILE`), or None after printing why this machine cannot run
     it (no usable GPU)."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    err, _ = gpu.gpu_check()
-    if err:
-        print(err, file=sys.stderr)
-        return None
-    return args
+    return None if no_gpu() else args

@@ -40,7 +40,7 @@ from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.timing import QUICK_PLAN, TimingPlan, n_sets_for
 from moe_layers import (MODEL_BY_NAME, MODELS, group_bits_equal_mm, layer_dims, lt_loop,
                         make_set, set_bytes, torch_grouped, torch_loop)
-from sweep_common import candidate_layer, time_candidates, write_records
+from sweep_common import candidate_layer, no_gpu, time_candidates, write_records
 
 # Token counts, in the order they are run (the time box cuts the last ones).
 TOKENS = (1024, 4096, 256, 16384, 2048, 128, 8192, 512)
@@ -180,9 +180,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    err, _ = gpu.gpu_check()
-    if err:
-        print(err, file=sys.stderr)
+    if no_gpu():
         return 1
     t0 = time.time()
     by_pass = {}
