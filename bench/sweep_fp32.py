@@ -21,8 +21,13 @@ format of `detgemm-cute tune --json` (`op`, `gemm` = the kernel's [M, N, K] as t
 keys it, `cands`, `peers` with SGEMM under "cublaslt", `fields`), so `tune-fit` reads them:
 
     python bench/sweep_fp32.py --out "$OUT/fp32_sweep.json" --jobs 14 --max-seconds 420
-    detgemm-cute tune-fit fp32_sweep.json --ops fwd,dx --m-min 65 --m-max 512 \\
+    detgemm-cute tune-fit fp32_sweep.json --ops fwd --m-min 65 --m-max 512 \\
         --bucket-dtypes fp32 --name fp32_m65_512 --out fp32.yaml
+
+Fit each op from records of the code it will run: a dX record says how its weight was split
+(`w_split`: "columns", in place, or "rows", the transposed copy; the committed
+`fp32_sweep_nvidia-h200.json.xz` predates the in-place split, and its dX records are
+"rows"), and `tune-fit` lets a later file's times of a problem win.
 
 Problems run in a fixed shuffled order, so a run cut by --max-seconds keeps a spread of M,
 weights and ops.
@@ -129,6 +134,13 @@ def bits_ok(op, names, s) -> bool:
     return all(torch.equal(fns[nm](s).view(torch.int32), ref) for nm in names)
 
 
+def columns_split(w) -> bool:
+    """Whether dX splits this weight in place (`gemm._gemm_fp32`'s rule)."""
+    from detgemm_cute import gemm
+
+    return gemm.arch_of(w.device) == "sm90" and split.columns_apply(w)
+
+
 def kernel_key(bucket, b_form="nk"):
     """The chunked kernel a bucket runs on the fp32 tier's parts (gemm's split plan: K-major
     parts, fp32 out, no bias; B K-major, or N-major where dX splits its weight in place)."""
@@ -179,6 +191,8 @@ def measure(op, m, k, n, names, fields, l2, cap, device) -> dict:
            "table_us": us.get("table"), "split_only_us": us.get("split_only"),
            "sgemm_us": us.get("cublas_sgemm"), "bits_ok": ok, "errors": errors,
            "out_sha1": hashlib.sha1(out).hexdigest()}
+    if op == "dx":
+        rec["w_split"] = "columns" if columns_split(sets[0][1]) else "rows"
     if not ok:
         rec["bad_bits"] = list(rec["cands"])
     peer = us.get("cublas_sgemm") or float("nan")
@@ -235,6 +249,7 @@ def main(argv=None) -> int:
         fwd_names, dx_names = [], []
     names = {"fwd": fwd_names, "dx": dx_names}
     fields = {nm: c for v in names.values() for nm, c in zip(v, CANDIDATES)}
+    cands = [nm.split(".", 1)[1] for nm in fwd_names]  # the records' names (either op)
     todo = problems(args.weights, args.m_list, args.ops)
     if args.jobs > 1:
         precompile(fwd_names, todo, args.jobs, lambda msg: print(msg, flush=True))
@@ -246,8 +261,8 @@ def main(argv=None) -> int:
             break
         records.append(measure(op, m, k, n, names[op], fields, l2, cap, device))
         # a run cut off later keeps these rows
-        write_records(args.out, fwd_names, records, rows_key="records")
-    write_records(args.out, fwd_names, records, rows_key="records")
+        write_records(args.out, cands, records, rows_key="records")
+    write_records(args.out, cands, records, rows_key="records")
     return 0
 
 

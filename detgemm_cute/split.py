@@ -235,11 +235,11 @@ def scaled_operand_cuda(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch
 
 def columns_apply(w: torch.Tensor) -> bool:
     """Whether `scaled_columns_cuda` takes W [R, C] (the B of dX = dY @ W, or of mm's [K, N]
-    weight) in place: the split kernels on, R >= 1, C a multiple of 8 (16-byte rows of fp16
-    parts for TMA), W's rows 16-byte loads (`tensor_needs.SPLIT_ROWS`). (The caller also
-    asks for the sm90 kernels, which read the parts N-major.)"""
-    return (_kernels_on() and w.dim() == 2 and w.shape[0] > 0 and w.shape[1] % 8 == 0
-            and needs.SPLIT_ROWS.meets(w))
+    weight) in place: the split kernels on, R >= 1, C a positive multiple of 8 (16-byte rows
+    of fp16 parts for TMA), W's rows 16-byte loads (`tensor_needs.SPLIT_ROWS`). (The caller
+    also asks for the sm90 kernels, which read the parts N-major.)"""
+    return (_kernels_on() and w.dim() == 2 and w.shape[0] > 0 and w.shape[1] > 0
+            and w.shape[1] % 8 == 0 and needs.SPLIT_ROWS.meets(w))
 
 
 def scaled_columns_cuda(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -213,18 +213,27 @@ def test_column_split_kernel_same_bits_as_pytorch(shape):
     assert same_bits_nan(parts.t(), want) and same_bits_nan(scales, s)
 
 
-@pytest.mark.parametrize("m,r,c", [(1, 64, 256), (65, 777, 264), (300, 1000, 1024),
-                                   (7, 40, 8), (129, 4096, 520)])
-def test_weight_read_in_place_same_bits(m, r, c):
-    """dX = dY @ W and mm(X, W [K, N]) split W in place (its reduction down the columns):
-    the reference's bits, and those of the same product with W copied K-major."""
-    from detgemm_cute import split
+@pytest.mark.parametrize("m,r,c,wider", [(1, 64, 256, False), (65, 777, 264, False),
+                                         (300, 1000, 1024, False), (7, 40, 8, False),
+                                         (129, 4096, 520, False), (33, 100, 64, True),
+                                         (1, 1, 32, False)])
+def test_weight_read_in_place_same_bits(monkeypatch, m, r, c, wider):
+    """dX = dY @ W and mm(X, W [K, N]) split W in place (its reduction down the columns; on
+    sm90 the split runs, counted): the reference's bits, and those of the same product with
+    W copied K-major. `wider`: W is a column window of a wider buffer (row pitch != C)."""
+    from detgemm_cute import gemm, split
 
+    calls = []
+    real = split.scaled_columns_cuda
+    monkeypatch.setattr(split, "scaled_columns_cuda", lambda w: calls.append(1) or real(w))
     g = torch.Generator(device=DEV).manual_seed(m + r + c)
     dy, w = rand(m, r, g=g, spread=True), rand(r, c, g=g)
+    if wider:
+        w = torch.empty(r, c + 24, device=DEV)[:, 8:c + 8].copy_(w)
     assert split.columns_apply(w)
     poison()
     dx = dg.input_grad(dy, w)
+    assert len(calls) == (gemm.arch_of(w.device) == "sm90")
     want = reference.mm(dy.cpu(), w.cpu())
     assert same_bits(dx.cpu(), want)
     assert same_bits(dx, dg.linear(dy, w.t().contiguous()))

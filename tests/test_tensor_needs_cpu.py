@@ -243,7 +243,9 @@ def emulated_columns(monkeypatch):
                 bits = w.view(torch.int32) & 0x7FFFFFFF
                 top.view(-1).copy_(torch.maximum(top.view(-1), bits.amax(dim=0)))
                 return
-            s = split.row_scales(w.t())
+            # the scales from the maxima step's `top`, by the kernel's exponent rule
+            e = (split.TOP_EXP + 254 - (top.view(-1) >> 23)).clamp(1, 254)
+            s = (e << 23).view(torch.float32)
             tensors[3].view(-1).copy_(s)
             tensors[2].copy_(split.operand(w.t(), s, "b").t().reshape(tensors[2].shape))
         return launch
@@ -255,16 +257,19 @@ def emulated_columns(monkeypatch):
 @pytest.mark.parametrize("r,c", [(40, 8), (300, 264), (1, 32)])
 @pytest.mark.parametrize("where", ["plain", "sliced"])
 def test_column_split_staging_meets_its_kernels(emulated_columns, r, c, where):
-    """W [R, C] split in place: the launch tensors meet the fakes, and the parts are the
-    transpose of the split of W^T (zero rows up to a multiple of 32)."""
+    """W [R, C] split in place: the launch tensors meet the fakes, the column maxima and the
+    exponent rule give `split.row_scales` of W^T, and the parts are the transpose of the
+    split of W^T (zero rows up to a multiple of 32)."""
     g = torch.Generator().manual_seed(r + c)
-    w = torch.randn(r, c, generator=g)
+    w = torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-30, 31, (c,), generator=g))
+    w[0, 0] = float("nan")  # a NaN's bits dominate its column's maximum
     if where == "sliced":  # rows of a wider buffer, 16-byte aligned
         w = torch.empty(r + 1, c + 4)[1:, 4:].copy_(w)
     assert split.columns_apply(w)
     parts, scale = split.scaled_columns_cuda(w)
     want_s = split.row_scales(w.t().contiguous())
     assert torch.equal(scale, want_s)
-    assert torch.equal(parts.t(), split.operand(w.t().contiguous(), want_s, "b"))
+    assert torch.equal(parts.t().view(torch.int16),
+                       split.operand(w.t().contiguous(), want_s, "b").view(torch.int16))
     assert not split.columns_apply(torch.randn(r, c + 4)[:, 1:c + 1])  # misaligned rows
     assert not split.columns_apply(torch.randn(r, 12))  # parts rows not 16 bytes
