@@ -457,8 +457,9 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
     bias and the one rounding; with few rows (`split_decode.applies`) W's split runs inside
     the GEMM instead, with the same bits. A B given N-major ("kn": dX's weight, mm's [K, N])
-    is split in place into N-major parts (`split.scaled_columns_cuda`), not copied K-major. dW: exact bf16 parts, no scales, the chunked GEMM
-    continuing `acc`. (Precision "tf32" runs the TF32 kernels through the plain path.)"""
+    is split in place into N-major parts (`split.scaled_columns_cuda`), not copied K-major.
+    dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`. (Precision "tf32"
+    runs the TF32 kernels through the plain path.)"""
     b_nk = b if b_form == "nk" else b.t()
     if op == "dw":
         a2, b2 = split.exact_operand_cuda(a, "a"), split.exact_operand_cuda(b_nk, "b")

@@ -19,9 +19,9 @@ Two kernels (`split.scaled_columns_cuda` runs them):
    columns, 8 lanes of a warp share a quad of columns, and one lane per quad folds the CTA's
    maximum in with an atomic max (the maximum does not depend on the order of the folds).
 2. `SplitFp16Columns`: a CTA takes one 32-row block of 128 columns; each thread a quad of
-   columns (its four scales, 2^(13 - floor(log2 top)) clamped to [2^-126, 2^127], built
-   from exponent bits as `SplitFp16Parts` builds them) and four of the block's rows (one
-   16-byte load and three 8-byte stores each, rows past R written as zeros); the first
+   columns (its four scales, 2^(13 - floor(log2 top)) clamped to [2^-126, 2^127], by the
+   streaming kernel's `scale_bits_of`) and four of the block's rows (one 16-byte load, the
+   parts by `split_quad`, three 8-byte stores; rows past R written as zeros); the first
    block's threads also write the scales S [C].
 Inputs: W [R, C / 4, 4] fp32 (its rows 16-byte aligned); top [C] int32; parts
 [R' / 96, 3, 32, C / 4, 4] fp16 (R' = 96 ceil(R / 32)), contiguous; S [C] fp32.
@@ -32,13 +32,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .split_parts import SIGN_OFF
+from .split_gemv import SIGN_OFF, scale_bits_of, split_quad
 
 _THREADS = 256
 _QUADS = 32  # column quads (128 columns) per CTA
 _ROWS = 256  # rows per CTA of the maxima
 _BLOCK = 32  # rows of W per chunk
-_TOP_EXP = 13  # a column's largest scaled magnitude lies in [2^13, 2^14)
 
 
 class ColumnMaxima:
@@ -99,8 +98,7 @@ class SplitFp16Columns:
             scales = cute.make_rmem_tensor((4,), cutlass.Float32)
             scale_bits = cute.recast_tensor(scales, cutlass.Int32)
             for i in cutlass.range_constexpr(4):
-                e = cutlass.min(cutlass.max(_TOP_EXP + 254 - (tops[i] >> 23), 1), 254)
-                scale_bits[i] = e << 23
+                scale_bits[i] = scale_bits_of(tops[i])[0]
             if bx == 0 and tidx < _QUADS:
                 cute.autovec_copy(scales, mS[(q, None)])
             for i in cutlass.range_constexpr(_BLOCK // (_THREADS // _QUADS)):
@@ -110,9 +108,7 @@ class SplitFp16Columns:
                 w.fill(0.0)
                 if r < rows:
                     cute.autovec_copy(mW[(r, q, None)], w)
-                x = w.load() * scales.load()
-                hi = x.to(cutlass.Float16)
-                for p, value in ((0, -x), (1, hi.to(cutlass.Float32) - x), (2, x)):
-                    part = cute.make_rmem_tensor((4,), cutlass.Float16)
-                    part.store(value.to(cutlass.Float16))
-                    cute.autovec_copy(part, mO[(bx, p, row, q, None)])
+                parts = cute.make_rmem_tensor((4, 3), cutlass.Float16)
+                split_quad(w.load() * scales.load(), parts, "b")
+                for p in cutlass.range_constexpr(3):
+                    cute.autovec_copy(parts[(None, p)], mO[(bx, p, row, q, None)])
