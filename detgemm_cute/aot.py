@@ -243,8 +243,12 @@ def _rate(done: int, total: int, seconds: float) -> str:
 
 
 # ptxas -v lines worth an engineer's look: a performance warning (C75xx: WGMMAs issued one
-# at a time, and why) and spilled registers.
-_PTXAS_NOTE = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (.*?)(?: in the function.*)?$")
+# at a time, and why), a wait ptxas injected itself (the info line C7517: it drains the WGMMA
+# pipe where the kernel meant to keep a group in flight) and spilled registers. (The info
+# line C7519, a WGMMA fence ptxas added, waits for no WGMMA and is left out.)
+_PTXAS_NOTE = re.compile(r"\((C75\d\d)\) (?:Potential Performance Loss: )?(.*?)"
+                         r"(?: in (?:the )?function.*)?$")
+_PTXAS_INFO_NOTES = ("C7517",)
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -277,7 +281,7 @@ def ptxas_notes(ptx: str, arch: str) -> list[str]:
     notes = []
     for line in run.stderr.splitlines():
         warn = _PTXAS_NOTE.search(line)
-        if warn:
+        if warn and ("Performance Loss" in line or warn.group(1) in _PTXAS_INFO_NOTES):
             notes.append(f"{warn.group(1)}: {warn.group(2)}")
         spill = _PTXAS_SPILL.search(line)
         if spill and (int(spill.group(1)) or int(spill.group(2))):

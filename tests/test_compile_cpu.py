@@ -430,6 +430,34 @@ def test_grouped_pingpong_kernels_keep_their_wgmmas_pipelined(tmp_path, tile, cl
     assert not re.search(r"C75\d\d", report), report[-500:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tile, cluster, stages, persistent, b_form, dtype, accumulate", [
+    ((64, 128, 96), (1, 1), 5, True, "nk", "fp16", False),
+    ((128, 128, 96), (1, 1), 4, False, "kn", "fp16", False),
+    ((64, 64, 96), (2, 1), 6, False, "nk", "fp16", False),
+    ((64, 128, 96), (1, 1), 5, False, "nk", "bf16", True)])
+def test_chunked_kernels_overlap_their_chunks(tmp_path, tile, cluster, stages, persistent,
+                                              b_form, dtype, accumulate):
+    """The fp32 tier's chunked chain (`sm90_chunked`): within a group of CHUNK_GROUP chunks,
+    each chunk is issued before the one before it is added (a wait that leaves one WGMMA
+    group in flight), and each group ends with all of them retired. With ptxas at hand: no
+    spills (three fragments beside the mainloop) and no performance warning: a WGMMA left in
+    flight across the loop's back edge onto a fragment the loop adds made ptxas serialize
+    them all (C7514)."""
+    from detgemm_cute import compile as kcompile
+    from detgemm_cute.kernels.sm90_chunked import CHUNK_GROUP
+
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=stages, persistent=persistent,
+                             dtype=dtype, out_dtype="fp32", a_major="k", b_form=b_form,
+                             b_contig="last", has_bias=False, arch="sm_90a", split=True,
+                             accumulate=accumulate)
+    ptx = _audited_ptx(key, tmp_path)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    # A group: CHUNK_GROUP - 1 overlapped waits and one drain; a chunk left over: one drain.
+    assert waits.count("1") == CHUNK_GROUP - 1 and waits.count("0") == 2, waits
+    assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
+
+
 # A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.
 _GROUPED_KEY = dict(tile=(128, 256, 64), cluster=(1, 2), stages=4, persistent=True,
                     dtype="bf16", out_dtype="bf16", a_major="k", b_form="kn", b_contig="last",

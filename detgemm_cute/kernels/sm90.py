@@ -55,10 +55,11 @@ by B's entry g. The persistent schedule walks the groups' own row tiles (see
 with its group's weight, as if its group ran alone.
 
 Chunked chain (`chunked`, the fp32 tier's split operands, see detgemm_cute/split.py): each
-k tile is one chunk. Its WGMMA steps run onto a second register fragment that starts at
-+0.0; once they retire, the fragment is added to the accumulator with one fp32 add (round to
-nearest even) and the stage is released. The chunks are added in ascending K, so every
-output element is again one fixed chain, whatever the tile.
+k tile is one chunk. Its WGMMA steps run onto a chunk fragment that starts at +0.0; once they
+retire, the fragment is added to the accumulator with one fp32 add (round to nearest even)
+and the stage is released. Two chunk fragments alternate, so a chunk runs while the one
+before it is added (`sm90_chunked`). The chunks are added in ascending K, so every output
+element is again one fixed chain, whatever the tile.
 
 TF32 operands (the fp32 tier's "tf32" precision): fp32 tensors, both K-major, are read through
 TF32 TMA tensor maps (each value rounded to TF32 on the way into shared memory) and
@@ -170,8 +171,8 @@ class Sm90Gemm(Sm90Base):
         refill = (warp_idx == 0, prod, tma_atom_a, tAgA_k, tAsA, a_mask, tma_atom_b, tBgB_k,
                   tBsB, b_mask)
         if cutlass.const_expr(self.chunked):
-            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
-            read, prod = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+            parts = self._chunk_parts(thr_mma)
+            read, prod = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, parts,
                                                 tCrA, tCrB, k_tiles, refill)
         else:
             read, release, prod = self._mainloop(
@@ -404,9 +405,9 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         tCrA = self._a_fragment(tiled_mma, thr_mma, sA, tidx)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
-        part = None
+        parts = None
         if cutlass.const_expr(self.chunked):
-            part = cute.make_rmem_tensor(self._acc_shape(thr_mma), self.acc_dtype)
+            parts = self._chunk_parts(thr_mma)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
         if wg_idx < self.producer_warpgroups:
@@ -470,7 +471,7 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
                     self._init_acc(acc, thr_mma_thread, mC_in, *tile)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     if cutlass.const_expr(self.chunked):
-                        read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, part,
+                        read, _ = self._mainloop_chunked(ab_pipeline, read, tiled_mma, acc, parts,
                                                          tCrA, tCrB, k_tiles, None)
                     elif cutlass.const_expr(self.grouped_k):
                         read, release = self._k_group_chain(

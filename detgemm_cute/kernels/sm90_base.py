@@ -19,6 +19,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90_limits
 from .operands import as_tf32, b_as_nk, with_batch_mode
+from .sm90_chunked import ChunkedChain
 from .sm90_epilogue import EpilogueStores
 from .tf32_mma import make_tf32_tiled_mma
 
@@ -77,7 +78,7 @@ def _stage(staged):
     return cute.slice_(staged, (None, None, 0))
 
 
-class Sm90Base(EpilogueStores):
+class Sm90Base(ChunkedChain, EpilogueStores):
     """Host-side setup and device helpers shared by both SM90 kernels.
 
     ``tile`` (BM, BN, BK), ``cluster`` (CM, CN) and ``stages`` come from a registry bucket;
@@ -688,31 +689,6 @@ class Sm90Base(EpilogueStores):
                 (4, cute.cosize(layout.outer) * dtype.width // 128), stride=(1, 4)))
             views.append((chunks, layout.outer, width))
         return tuple(views)
-
-    @cute.jit
-    def _mainloop_chunked(self, ab_pipeline, read, tiled_mma, acc, part, tCrA, tCrB, k_tiles,
-                          refill):
-        """The chunked chain: for each k tile in order, its WGMMA steps run onto `part`
-        from +0.0; once they retire, ``acc = acc + part`` (one fp32 add, round to nearest
-        even, per element) and the stage is released at once (so, unlike `_mainloop`, every
-        stage this tile read is released on return). `refill` as in `_mainloop`."""
-        prod = None
-        if cutlass.const_expr(refill is not None):
-            prod = refill[1]
-        for _k in cutlass.range(k_tiles, unroll=1):
-            ab_pipeline.consumer_wait(read)
-            part.fill(0.0)
-            self._mma_k_tile(tiled_mma, part, tCrA, tCrB, read.index)
-            cute.nvgpu.warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + part[i]
-            ab_pipeline.consumer_release(read)
-            read.advance()
-            if cutlass.const_expr(refill is not None):
-                if refill[0] and prod.count < k_tiles:
-                    self._load_k_tile(ab_pipeline, prod, *refill[2:])
-                    prod.advance()
-        return read, prod
 
     @cute.jit
     def _init_acc(self, acc, thr_mma_thread, mC_in_mnl, tile_m, tile_n, tile_l):

@@ -37,8 +37,9 @@ ODD_WIDTH_OPS = ("fwd", "dx", "dw")
 # steps (one 32-wide block of the original K in fwd/dX, one 16-wide block in dW); BK is
 # fixed because it is part of the bits.
 SPLIT_TILE_K = 96
-# Chunked tiles keep two accumulator fragments (the sum and the chunk) per thread: at most
-# 64 x 128 per consumer warpgroup, so BN <= 128 and BM 128 runs on two warpgroups.
+# Chunked tiles keep three accumulator fragments (the sum and two chunks, `sm90_chunked`) per
+# thread: at most 64 x 128 per consumer warpgroup, so BN <= 128 and BM 128 runs on two
+# warpgroups.
 SPLIT_TILE_N_MAX = 128
 # tf32 (fp32 operands read as TF32 by TMA and WGMMA, k8 steps): BK counts fp32 elements, so
 # 32 is one 128-byte swizzle row, as BK 64 is for 16-bit operands; both operands K-major.
