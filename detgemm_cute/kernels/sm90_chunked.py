@@ -65,7 +65,7 @@ def fence_operands(frag):
 
 
 # Chunks per group (the module docstring): the WGMMA pipe drains once per group.
-CHUNK_GROUP = 4
+CHUNK_GROUP = 8
 
 
 class ChunkedChain:
