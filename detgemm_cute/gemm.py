@@ -454,9 +454,9 @@ def _fp32_route(op: str):
 
 def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     """The fp32 tier's full precision on the GPU (`split`). fwd/dX: scale and split both
-    operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, unscale, then
-    bias and the one rounding; with few rows (`split_decode.applies`) W's split runs inside
-    the GEMM instead, with the same bits. A B given N-major ("kn": dX's weight, mm's [K, N])
+    operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, then unscale,
+    bias and the one rounding (`split.finish`: one kernel); with few rows
+    (`split_decode.applies`) W's split runs inside the GEMM instead, with the same bits. A B given N-major ("kn": dX's weight, mm's [K, N])
     is split in place into N-major parts (`split.scaled_columns_cuda`), not copied K-major.
     dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`. (Precision "tf32"
     runs the TF32 kernels through the plain path.)"""
@@ -478,9 +478,10 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
             (b2, sb), b2_form = split.scaled_operand_cuda(b_nk, "b"), "nk"
         c = None if acc is None else split.scale_acc(acc, sa, sb)
         c = gemm(a2, b2, b2_form, None, torch.float32, op=op, acc=c, split_in=split.BLOCK_K)
-        y = split.unscale(c, sa, sb)
         if acc is not None:
-            return acc.copy_(y)
+            return acc.copy_(split.unscale(c, sa, sb))
+        y = split.finish(c, sa, sb, bias, out_dtype)  # unscale, bias, rounding: one kernel
+        return out.copy_(y) if out is not None else y
     if bias is not None:
         y = y + bias
     if out_dtype is not None and out_dtype != torch.float32:

@@ -321,6 +321,8 @@ def _compile_kernel(scheme: str, side: str, arch: str):
 
     if scheme == "columns":
         return _compile_columns(side, arch)
+    if scheme == "unscale":
+        return _compile_unscale(*side, arch)
     block = EXACT_BLOCK_K if scheme == "exact" else BLOCK_K
     rows, blocks = cute.sym_int(), cute.sym_int()
     # X [rows, blocks, block/4, 4] and the parts [rows, blocks, groups, block/4, 4]: views
@@ -361,6 +363,30 @@ def _compile_columns(step: str, arch: str):
                    strides=(needs.BYTES16, needs.BYTES16, needs.BYTES16, 4, needs.UNIT))
     s = needs.fake(cutlass.Float32, (quads, 4), quad_rows)
     return cute.compile(SplitFp16Columns(), w, top, o, s, stream, options=options)
+
+
+def _compile_unscale(out_type: str, has_bias: bool, arch: str):
+    """`kernels.unscale.UnscaleFp32`: C [M, N/4, 4] fp32 (16-byte rows), s_a [M], s_b and
+    bias [N/4, 4] fp32, out [M, N/4, 4] (`out_type`, contiguous) for `finish`."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernels.unscale import UnscaleFp32
+
+    m, quads = cute.sym_int(), cute.sym_int()
+    out_t = getattr(cutlass, out_type)
+    c = needs.fake(cutlass.Float32, (m, quads, 4), needs.SPLIT_ROWS,
+                   strides=(needs.SPLIT_ROWS.strides[0], 4, needs.UNIT))
+    quad_rows = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
+    sb = needs.fake(cutlass.Float32, (quads, 4), quad_rows)
+    bias = needs.fake(cutlass.Float32, (quads, 4), quad_rows) if has_bias else None
+    rows = needs.BYTES16 if out_type == "Float32" else needs.BYTES8  # N is a multiple of 4
+    o = needs.fake(out_t, (m, quads, 4), needs.Need(needs.VEC_BYTES, (rows, 4, needs.UNIT)))
+    sa = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(UnscaleFp32(out_t, has_bias), c, sa, sb, bias, o, stream,
+                        options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,8 +462,53 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
     return (acc * sa.reciprocal().unsqueeze(1)) * sb.reciprocal().unsqueeze(0)
 
 
+_UNSCALE_OUT = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
+
+
+def finish(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, out_dtype):
+    """The output of the scaled fp32 accumulator [M, N]: `unscale`, plus bias (fp32), rounded
+    once to `out_dtype` (None: fp32): one kernel where `unscale_applies` (`unscale_cuda`),
+    else (and with ``DETGEMM_CUTE_SPLIT_KERNEL=0``) the PyTorch ops, with the same bits."""
+    out_dtype = out_dtype or torch.float32
+    if acc.is_cuda and unscale_applies(acc, out_dtype):
+        return unscale_cuda(acc, sa, sb, bias, out_dtype)
+    y = unscale(acc, sa, sb)
+    if bias is not None:
+        y = y + bias
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def unscale_applies(acc: torch.Tensor, out_dtype) -> bool:
+    """Whether `unscale_cuda` takes this accumulator: the split kernels on, N a multiple of
+    4 and rows of 16-byte loads (`tensor_needs.SPLIT_ROWS`), an fp32/bf16/fp16 output, fewer
+    than 2^31 quads of outputs."""
+    m, n = acc.shape
+    return (_kernels_on() and acc.dtype == torch.float32 and n % 4 == 0
+            and m * n // 4 < 2 ** 31 and out_dtype in _UNSCALE_OUT
+            and needs.SPLIT_ROWS.meets(acc))
+
+
+def unscale_cuda(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, out_dtype):
+    """`finish` in one kernel (`kernels.unscale.UnscaleFp32`), where `unscale_applies`."""
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    if out.numel():
+        b4 = None
+        if bias is not None:
+            b4 = needs.conform(bias.to(torch.float32), _QUAD_ROWS).view(n // 4, 4)
+        fn = _kernel("unscale", (_UNSCALE_OUT[out_dtype], bias is not None), acc.device)
+        c4 = acc.as_strided((m, n // 4, 4), (acc.stride(0) if m > 1 else n, 4, 1))
+        fn(c4, sa, sb.view(n // 4, 4), b4, out.view(m, n // 4, 4))
+    return out
+
+
+# A [N/4, 4] fp32 row of quads read 16 bytes at a time (the unscale kernel's s_b and bias).
+_QUAD_ROWS = needs.Need(needs.VEC_BYTES, (needs.UNIT,))
+
+
 __all__ = ["PRECISIONS", "fp32_precision", "checked_precision", "precision",
            "forward_precision", "at_precision",
            "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
-           "unscale", "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]
+           "unscale", "finish", "unscale_applies", "unscale_cuda", "BLOCK_K", "EXACT_BLOCK_K",
+           "STEPS", "CHUNK_K", "PART_DTYPE"]

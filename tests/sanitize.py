@@ -112,7 +112,8 @@ class Counter:
             if getattr(fn, "counted", False):
                 return fn
             label = {"scaled": "split parts (fp16, scaled)", "exact": "split parts (bf16, "
-                     "exact)", "transpose32": "transpose (fp32)", "rows16": "row copy"}
+                     "exact)", "transpose32": "transpose (fp32)", "rows16": "row copy",
+                     "columns": "split parts (fp16, columns)", "unscale": "unscale (fp32)"}
             tag = label.get(name[0], str(name[0]))
 
             def counted(*args):

@@ -131,6 +131,10 @@ def test_split_and_chunked_kernels_compile_on_cpu():
             assert split._compile_kernel(scheme, "a", arch) is not None
     for step in ("max", "b"):  # the in-place split of dX's weight (sm90 only)
         assert split._compile_kernel("columns", step, "sm_90") is not None
+    for arch in ("sm_90", "sm_80"):  # the last step: unscale, bias, rounding
+        for out in ("Float32", "BFloat16", "Float16"):
+            for has_bias in (False, True):
+                assert split._compile_kernel("unscale", (out, has_bias), arch) is not None
     dx = registry.get_registry("sm90").bucket("dx_fp32_m513")
     forms = [call["b_form"] for call in aot._split_variants(dx, "core", "sm90")]
     assert forms == ["nk", "kn"] and "kn" not in [

@@ -213,6 +213,39 @@ def test_column_split_kernel_same_bits_as_pytorch(shape):
     assert same_bits_nan(parts.t(), want) and same_bits_nan(scales, s)
 
 
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.mark.parametrize("m,n", [(1, 4), (7, 264), (300, 1000)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_unscale_kernel_same_bits_as_pytorch(m, n, out_dtype, with_bias):
+    """The fp32 tier's last step in one kernel (`split.unscale_cuda`): the bits of the
+    PyTorch ops it replaces (unscale, + bias, .to(out_dtype)), NaN payloads included, on
+    values that overflow, underflow to subnormals, round at the output dtype's edges, and
+    scales at both ends of their range (2^-126, 2^127: a subnormal reciprocal)."""
+    from detgemm_cute import split
+
+    g = torch.Generator(device=DEV).manual_seed(m * 131 + n)
+    acc = rand(m, n, g=g, spread=True) * 2.0 ** 60
+    acc[0, 0], acc[-1, -1] = float("nan"), float("-inf")
+    acc[0, 1:3] = torch.tensor([-0.0, 2.0 ** -100], device=DEV)
+    sa = torch.exp2(torch.randint(-126, 128, (m,), device=DEV, generator=g).float())
+    sb = torch.exp2(torch.randint(-126, 128, (n,), device=DEV, generator=g).float())
+    sa[0], sb[-1] = 2.0 ** 127, 2.0 ** -126
+    bias = rand(n, g=g, spread=True) if with_bias else None
+    want = split.unscale(acc, sa, sb)
+    if bias is not None:
+        want = want + bias
+    want = want.to(out_dtype)
+    assert split.unscale_applies(acc, out_dtype)
+    poison()
+    got = split.unscale_cuda(acc, sa, sb, bias, out_dtype)
+    iv = _INT_VIEW[out_dtype]
+    assert got.dtype == out_dtype and torch.equal(got.view(iv), want.view(iv))
+    assert bool(torch.isnan(got).any()) and bool(torch.isinf(got).any())
+
+
 @pytest.mark.parametrize("m,r,c,wider", [(1, 64, 256, False), (65, 777, 264, False),
                                          (300, 1000, 1024, False), (7, 40, 8, False),
                                          (129, 4096, 520, False), (33, 100, 64, True),

@@ -273,3 +273,61 @@ def test_column_split_staging_meets_its_kernels(emulated_columns, r, c, where):
                        split.operand(w.t().contiguous(), want_s, "b").view(torch.int16))
     assert not split.columns_apply(torch.randn(r, c + 4)[:, 1:c + 1])  # misaligned rows
     assert not split.columns_apply(torch.randn(r, 12))  # parts rows not 16 bytes
+
+
+# The fp32 tier's last step in one kernel (unscale, bias, rounding), emulated.
+
+@pytest.fixture
+def emulated_unscale(monkeypatch):
+    """`split._kernel("unscale", ...)` as a CPU stand-in that checks each launch tensor against
+    the fake it was compiled with, then computes what the kernel writes with PyTorch."""
+    def fake_compile(kernel, *args, **kwargs):
+        return args
+
+    def kernel(scheme, side, device):
+        assert scheme == "unscale"
+        with monkeypatch.context() as m:
+            m.setattr(cute, "compile", fake_compile)
+            args = split._compile_kernel(scheme, side, "sm_90")
+
+        def launch(*tensors):
+            for i, (fake_tensor, t) in enumerate(zip(args, tensors)):
+                if fake_tensor is None:
+                    assert t is None, f"argument #{i}: a tensor where the kernel takes none"
+                    continue
+                if not launch_accepts(spec(fake_tensor), t):
+                    raise ValueError(f"Misaligned Tensor data on argument #{i}")
+            c4, sa, sb4, b4, o4 = tensors
+            y = split.unscale(c4.reshape(c4.shape[0], -1), sa, sb4.reshape(-1))
+            if b4 is not None:
+                y = y + b4.reshape(-1)
+            o4.copy_(y.to(o4.dtype).view(o4.shape))
+        return launch
+
+    monkeypatch.setattr(split, "_kernel", kernel)
+    monkeypatch.setattr(split, "_kernels_on", lambda: True)
+
+
+@pytest.mark.parametrize("m,n", [(1, 4), (5, 264), (33, 1000)])
+@pytest.mark.parametrize("where", ["plain", "wider"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unscale_staging_meets_its_kernel(emulated_unscale, m, n, where, out_dtype):
+    """`split.unscale_cuda` hands its kernel tensors the fakes accept (an accumulator inside
+    a wider buffer, one row, a bias at an odd offset: copied) and gives the PyTorch ops'
+    result; `unscale_applies` refuses what the kernel cannot read."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    acc = torch.randn(m, n, generator=g)
+    if where == "wider":  # rows of a wider buffer, 16-byte aligned
+        acc = torch.empty(m, n + 8)[:, 4:n + 4].copy_(acc)
+    sa = torch.exp2(torch.randint(-20, 21, (m,), generator=g).float())
+    sb = torch.exp2(torch.randint(-20, 21, (n,), generator=g).float())
+    bias = torch.empty(n + 1)[1:].copy_(torch.randn(n, generator=g))  # an odd offset
+    assert split.unscale_applies(acc, out_dtype)
+    for b in (None, bias):
+        want = split.unscale(acc, sa, sb) + (0 if b is None else b)
+        got = split.unscale_cuda(acc, sa, sb, b, out_dtype)
+        assert got.dtype == out_dtype and got.is_contiguous()
+        assert torch.equal(got, want.to(out_dtype))
+    assert not split.unscale_applies(torch.randn(m, n + 2), out_dtype)  # N not a multiple of 4
+    assert not split.unscale_applies(torch.empty(m, n + 1)[:, 1:], out_dtype)  # misaligned
+    assert not split.unscale_applies(acc, torch.float64)
