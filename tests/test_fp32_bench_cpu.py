@@ -35,6 +35,22 @@ def test_committed_ab_record_is_what_compare_fp32_renders(mods):
         assert all(a["out_sha1"] == b["out_sha1"] for a, b in pairs)
 
 
+def test_committed_tier_ab_sections_are_what_compare_fp32_renders(mods):
+    """Each of the three A/Bs in fp32-tier-ab_nvidia-h200.md is its JSON rendered (headings one
+    level down), and each JSON's old and new outputs have the same bits on every problem."""
+    _, cf = mods
+    stem = RESULTS / "fp32-tier-ab_nvidia-h200"
+    text = Path(f"{stem}.md").read_text()
+    for tag in ("g4", "g8", "unscale"):
+        with gzip.open(f"{stem}_{tag}.json.gz", "rt") as f:
+            ab = json.load(f)
+        assert "#" + cf.render(ab) in text, tag  # its title one level down: "## ..."
+        for op in ("fwd", "dx"):
+            pairs = cf.paired(ab, op)
+            assert len(pairs) == 44
+            assert all(a["out_sha1"] == b["out_sha1"] for a, b in pairs.values())
+
+
 def test_compare_fp32_counts_rows_and_bits(mods):
     _, cf = mods
 
