@@ -219,39 +219,59 @@ def test_split_staging_of_a_single_misaligned_row(emulated_split):
 
 # The in-place split of a weight whose reduction runs down its columns (dX's W), emulated.
 
-@pytest.fixture
-def emulated_columns(monkeypatch):
-    """`split._kernel("columns", ...)` as CPU stand-ins that check each launch tensor against
-    the fake it was compiled with, then compute what the kernel writes with PyTorch."""
-    def fake_compile(kernel, *args, **kwargs):
-        return args
+def _compiled_args(monkeypatch, scheme, side):
+    """What `split._compile_kernel(scheme, side)` compiles its kernel with: the fake tensors
+    (None where the kernel takes no tensor), then the stream."""
+    with monkeypatch.context() as m:
+        m.setattr(cute, "compile", lambda kernel, *args, **kwargs: args)
+        return split._compile_kernel(scheme, side, "sm_90")
 
-    def kernel(scheme, step, device):
-        assert scheme == "columns"
-        with monkeypatch.context() as m:
-            m.setattr(cute, "compile", fake_compile)
-            fakes = [a for a in split._compile_kernel(scheme, step, "sm_90")
-                     if hasattr(a, "_assumed_align")]
+
+def _check_launch(args, tensors):
+    """TVM-FFI's check at a launch: each tensor against the fake it was compiled with."""
+    for i, (fake_tensor, t) in enumerate(zip(args, tensors)):
+        if fake_tensor is None:
+            assert t is None, f"argument #{i}: a tensor where the kernel takes none"
+        elif not launch_accepts(spec(fake_tensor), t):
+            raise ValueError(f"Misaligned Tensor data on argument #{i}")
+
+
+def _emulate(monkeypatch, scheme, compute):
+    """`split._kernel(scheme, ...)` as a CPU stand-in: each launch checks its tensors against
+    the fakes its kernel was compiled with (`_check_launch`), then `compute(side, *tensors)`
+    writes what the kernel would, with PyTorch."""
+    def kernel(got, side, device):
+        assert got == scheme
+        args = _compiled_args(monkeypatch, scheme, side)
 
         def launch(*tensors):
-            for i, (fake_tensor, t) in enumerate(zip(fakes, tensors)):
-                if not launch_accepts(spec(fake_tensor), t):
-                    raise ValueError(f"Misaligned Tensor data on argument #{i}")
-            w3, top = tensors[0], tensors[1]
-            w = w3.reshape(w3.shape[0], -1)
-            if step == "max":
-                bits = w.view(torch.int32) & 0x7FFFFFFF
-                top.view(-1).copy_(torch.maximum(top.view(-1), bits.amax(dim=0)))
-                return
-            # the scales from the maxima step's `top`, by the kernel's exponent rule
-            e = (split.TOP_EXP + 254 - (top.view(-1) >> 23)).clamp(1, 254)
-            s = (e << 23).view(torch.float32)
-            tensors[3].view(-1).copy_(s)
-            tensors[2].copy_(split.operand(w.t(), s, "b").t().reshape(tensors[2].shape))
+            _check_launch(args, tensors)
+            compute(side, *tensors)
         return launch
 
     monkeypatch.setattr(split, "_kernel", kernel)
     monkeypatch.setattr(split, "_kernels_on", lambda: True)
+
+
+def _columns_step(step, w3, top, *rest):
+    """What `kernels.split_columns`' maxima ("max") or split ("b") kernel writes."""
+    w = w3.reshape(w3.shape[0], -1)
+    if step == "max":
+        bits = w.view(torch.int32) & 0x7FFFFFFF
+        top.view(-1).copy_(torch.maximum(top.view(-1), bits.amax(dim=0)))
+        return
+    # the scales from the maxima step's `top`, by the kernel's exponent rule
+    parts, scales = rest
+    e = (split.TOP_EXP + 254 - (top.view(-1) >> 23)).clamp(1, 254)
+    s = (e << 23).view(torch.float32)
+    scales.view(-1).copy_(s)
+    parts.copy_(split.operand(w.t(), s, "b").t().reshape(parts.shape))
+
+
+@pytest.fixture
+def emulated_columns(monkeypatch):
+    """The in-place column split's two kernels, emulated (`_emulate`)."""
+    _emulate(monkeypatch, "columns", _columns_step)
 
 
 @pytest.mark.parametrize("r,c", [(40, 8), (300, 264), (1, 32)])
@@ -277,35 +297,18 @@ def test_column_split_staging_meets_its_kernels(emulated_columns, r, c, where):
 
 # The fp32 tier's last step in one kernel (unscale, bias, rounding), emulated.
 
+def _unscale_step(side, c4, sa, sb4, b4, o4):
+    """What `kernels.unscale.UnscaleFp32` writes: `split.finish`'s PyTorch ops."""
+    y = split.unscale(c4.reshape(c4.shape[0], -1), sa, sb4.reshape(-1))
+    if b4 is not None:
+        y = y + b4.reshape(-1)
+    o4.copy_(y.to(o4.dtype).view(o4.shape))
+
+
 @pytest.fixture
 def emulated_unscale(monkeypatch):
-    """`split._kernel("unscale", ...)` as a CPU stand-in that checks each launch tensor against
-    the fake it was compiled with, then computes what the kernel writes with PyTorch."""
-    def fake_compile(kernel, *args, **kwargs):
-        return args
-
-    def kernel(scheme, side, device):
-        assert scheme == "unscale"
-        with monkeypatch.context() as m:
-            m.setattr(cute, "compile", fake_compile)
-            args = split._compile_kernel(scheme, side, "sm_90")
-
-        def launch(*tensors):
-            for i, (fake_tensor, t) in enumerate(zip(args, tensors)):
-                if fake_tensor is None:
-                    assert t is None, f"argument #{i}: a tensor where the kernel takes none"
-                    continue
-                if not launch_accepts(spec(fake_tensor), t):
-                    raise ValueError(f"Misaligned Tensor data on argument #{i}")
-            c4, sa, sb4, b4, o4 = tensors
-            y = split.unscale(c4.reshape(c4.shape[0], -1), sa, sb4.reshape(-1))
-            if b4 is not None:
-                y = y + b4.reshape(-1)
-            o4.copy_(y.to(o4.dtype).view(o4.shape))
-        return launch
-
-    monkeypatch.setattr(split, "_kernel", kernel)
-    monkeypatch.setattr(split, "_kernels_on", lambda: True)
+    """The one-kernel last step of the fp32 tier, emulated (`_emulate`)."""
+    _emulate(monkeypatch, "unscale", _unscale_step)
 
 
 @pytest.mark.parametrize("m,n", [(1, 4), (5, 264), (33, 1000)])
