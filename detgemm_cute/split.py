@@ -463,6 +463,7 @@ def unscale(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tens
 
 
 _UNSCALE_OUT = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
+_UNSCALE_MAX_QUADS = 2 ** 31 - 1 - 256  # kernels/unscale.py: 256 threads a block, int32 index
 
 
 def finish(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, out_dtype):
@@ -480,11 +481,12 @@ def finish(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, out_dtyp
 
 def unscale_applies(acc: torch.Tensor, out_dtype) -> bool:
     """Whether `unscale_cuda` takes this accumulator: the split kernels on, N a multiple of
-    4 and rows of 16-byte loads (`tensor_needs.SPLIT_ROWS`), an fp32/bf16/fp16 output, fewer
-    than 2^31 quads of outputs."""
+    4 and rows of 16-byte loads (`tensor_needs.SPLIT_ROWS`), an fp32/bf16/fp16 output, and
+    quads of outputs that the kernel's int32 thread index (up to a block past the last
+    quad) counts."""
     m, n = acc.shape
     return (_kernels_on() and acc.dtype == torch.float32 and n % 4 == 0
-            and m * n // 4 < 2 ** 31 and out_dtype in _UNSCALE_OUT
+            and m * (n // 4) <= _UNSCALE_MAX_QUADS and out_dtype in _UNSCALE_OUT
             and needs.SPLIT_ROWS.meets(acc))
 
 

@@ -316,8 +316,9 @@ def emulated_unscale(monkeypatch):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_unscale_staging_meets_its_kernel(emulated_unscale, m, n, where, out_dtype):
     """`split.unscale_cuda` hands its kernel tensors the fakes accept (an accumulator inside
-    a wider buffer, one row, a bias at an odd offset: copied) and gives the PyTorch ops'
-    result; `unscale_applies` refuses what the kernel cannot read."""
+    a wider buffer, one row, a bias at an odd offset: copied), in the shapes and dtypes the
+    kernel writes (the values are the emulation's: the kernel's own bits are
+    test_gpu_fp32.py's); `unscale_applies` refuses what the kernel cannot read."""
     g = torch.Generator().manual_seed(m * 7 + n)
     acc = torch.randn(m, n, generator=g)
     if where == "wider":  # rows of a wider buffer, 16-byte aligned
@@ -334,3 +335,14 @@ def test_unscale_staging_meets_its_kernel(emulated_unscale, m, n, where, out_dty
     assert not split.unscale_applies(torch.randn(m, n + 2), out_dtype)  # N not a multiple of 4
     assert not split.unscale_applies(torch.empty(m, n + 1)[:, 1:], out_dtype)  # misaligned
     assert not split.unscale_applies(acc, torch.float64)
+
+
+def test_unscale_kernel_takes_no_more_outputs_than_its_int32_index_counts(monkeypatch):
+    """The unscale kernel numbers its threads in int32 (a block of 256 past the last quad of
+    4 outputs): `unscale_applies` takes at most 2^31 - 257 quads (views with a zero row
+    stride stand for accumulators of that size)."""
+    monkeypatch.setattr(split, "_kernels_on", lambda: True)
+    row = torch.zeros(1, 16)
+    top = 2 ** 31 - 1 - 256
+    assert split.unscale_applies(row.expand(top // 4, 16), torch.float32)
+    assert not split.unscale_applies(row.expand(top // 4 + 1, 16), torch.float32)
