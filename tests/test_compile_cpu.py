@@ -455,6 +455,22 @@ def test_chunked_kernels_overlap_their_chunks(tmp_path, tile, cluster, stages, p
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
     # A group: CHUNK_GROUP - 1 overlapped waits and one drain; a chunk left over: one drain.
     assert waits.count("1") == CHUNK_GROUP - 1 and waits.count("0") == 2, waits
+    # Each overlapped wait follows the commit of the next chunk's WGMMAs, and after every
+    # wait the chunk it retires is added (a fragment's fp32 adds) before the next WGMMA
+    # instruction: issue, wait, add.
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    per_thread = tile[0] * tile[1] // (128 * (2 if tile[0] > 64 else 1))
+    for i, ln in enumerate(lines):
+        wait = re.match(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ln)
+        if not wait:
+            continue
+        prev = next(j for j in range(i - 1, -1, -1) if lines[j].startswith("wgmma."))
+        if wait.group(1) == "1":  # a drain (0) may follow the group's last overlapped wait
+            assert lines[prev].startswith("wgmma.commit_group"), lines[prev]
+        nxt = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("wgmma.")),
+                   len(lines))
+        adds = sum(bool(re.match(r"add(\.rn)?\.f32\s", x)) for x in lines[i + 1:nxt])
+        assert adds >= per_thread, (adds, per_thread)
     assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
 
 
