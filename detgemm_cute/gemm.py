@@ -483,10 +483,7 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
             return acc.copy_(split.unscale(c, sa, sb))
         y = split.finish(c, sa, sb, bias, out_dtype)  # unscale, bias, rounding: one kernel
         return out.copy_(y) if out is not None else y
-    if bias is not None:
-        y = y + bias
-    if out_dtype is not None and out_dtype != torch.float32:
-        y = y.to(out_dtype)
+    y = split.biased_rounded(y, bias, out_dtype)
     return out.copy_(y) if out is not None else y
 
 

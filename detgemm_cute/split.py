@@ -353,15 +353,14 @@ def _compile_columns(step: str, arch: str):
     rows, quads, blocks = cute.sym_int(), cute.sym_int(), cute.sym_int()
     w = needs.fake(cutlass.Float32, (rows, quads, 4), needs.SPLIT_ROWS,
                    strides=(needs.BYTES16, 4, needs.UNIT))
-    quad_rows = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
-    top = needs.fake(cutlass.Int32, (quads, 4), quad_rows)
+    top = needs.fake(cutlass.Int32, (quads, 4), _QUADS)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {arch}"
     if step == "max":
         return cute.compile(ColumnMaxima(), w, top, stream, options=options)
     o = needs.fake(cutlass.Float16, (blocks, 3, BLOCK_K, quads, 4), needs.SPLIT_PARTS,
                    strides=(needs.BYTES16, needs.BYTES16, needs.BYTES16, 4, needs.UNIT))
-    s = needs.fake(cutlass.Float32, (quads, 4), quad_rows)
+    s = needs.fake(cutlass.Float32, (quads, 4), _QUADS)
     return cute.compile(SplitFp16Columns(), w, top, o, s, stream, options=options)
 
 
@@ -378,9 +377,8 @@ def _compile_unscale(out_type: str, has_bias: bool, arch: str):
     out_t = getattr(cutlass, out_type)
     c = needs.fake(cutlass.Float32, (m, quads, 4), needs.SPLIT_ROWS,
                    strides=(needs.SPLIT_ROWS.strides[0], 4, needs.UNIT))
-    quad_rows = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
-    sb = needs.fake(cutlass.Float32, (quads, 4), quad_rows)
-    bias = needs.fake(cutlass.Float32, (quads, 4), quad_rows) if has_bias else None
+    sb = needs.fake(cutlass.Float32, (quads, 4), _QUADS)
+    bias = needs.fake(cutlass.Float32, (quads, 4), _QUADS) if has_bias else None
     rows = needs.BYTES16 if out_type == "Float32" else needs.BYTES8  # N is a multiple of 4
     o = needs.fake(out_t, (m, quads, 4), needs.Need(needs.VEC_BYTES, (rows, 4, needs.UNIT)))
     sa = needs.fake(cutlass.Float32, (m,), needs.SPLIT_SCALES)
@@ -473,10 +471,14 @@ def finish(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, out_dtyp
     out_dtype = out_dtype or torch.float32
     if acc.is_cuda and unscale_applies(acc, out_dtype):
         return unscale_cuda(acc, sa, sb, bias, out_dtype)
-    y = unscale(acc, sa, sb)
+    return biased_rounded(unscale(acc, sa, sb), bias, out_dtype)
+
+
+def biased_rounded(y: torch.Tensor, bias, out_dtype) -> torch.Tensor:
+    """fp32 y plus bias (added in fp32), rounded once to `out_dtype` (None: fp32)."""
     if bias is not None:
         y = y + bias
-    return y if out_dtype == torch.float32 else y.to(out_dtype)
+    return y if out_dtype is None or out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def unscale_applies(acc: torch.Tensor, out_dtype) -> bool:
@@ -504,7 +506,9 @@ def unscale_cuda(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, ou
     return out
 
 
-# A [N/4, 4] fp32 row of quads read 16 bytes at a time (the unscale kernel's s_b and bias).
+# Per-column values read a quad (16 bytes) at a time: [C/4, 4] as the kernels see them (the
+# column split's maxima and scales, the unscale kernel's s_b and bias), [C] as staged.
+_QUADS = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
 _QUAD_ROWS = needs.Need(needs.VEC_BYTES, (needs.UNIT,))
 
 
@@ -512,5 +516,6 @@ __all__ = ["PRECISIONS", "fp32_precision", "checked_precision", "precision",
            "forward_precision", "at_precision",
            "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
-           "unscale", "finish", "unscale_applies", "unscale_cuda", "BLOCK_K", "EXACT_BLOCK_K",
+           "unscale", "finish", "biased_rounded", "unscale_applies", "unscale_cuda",
+           "BLOCK_K", "EXACT_BLOCK_K",
            "STEPS", "CHUNK_K", "PART_DTYPE"]
