@@ -471,7 +471,45 @@ def test_chunked_kernels_overlap_their_chunks(tmp_path, tile, cluster, stages, p
                    len(lines))
         adds = sum(bool(re.match(r"add(\.rn)?\.f32\s", x)) for x in lines[i + 1:nxt])
         assert adds >= per_thread, (adds, per_thread)
+    if accumulate:  # dW +=: the chain continues from C's fp32 values, loaded per element
+        assert len(re.findall(r"ld\.global\.b32\s", ptx)) >= per_thread
     assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tile, cluster, stages, pingpong, swap_ab, accumulate", [
+    ((128, 192, 64), (1, 2), 5, True, False, False),
+    ((128, 128, 64), (2, 1), 6, False, False, False),
+    ((128, 192, 64), (1, 1), 4, True, True, False),
+    ((128, 192, 64), (1, 2), 5, True, False, True)])
+def test_dense_kernels_pin_their_accumulator_start(tmp_path, tile, cluster, stages, pingpong,
+                                                   swap_ab, accumulate):
+    """A 16-bit kernel's chain starts from zeros written by volatile movs
+    (`wgmma_registers`), each before the WGMMA fence of the tile's first k tile, or (dW +=)
+    from C's values, fenced. When the compiler sank a copied zero fill past the fence, ptxas
+    drained the pipe after each tile's first WGMMA (info C7517, in 164 table kernels) and
+    the 128x192 ping-pong kernel spilled; with ptxas at hand neither may remain."""
+    from detgemm_cute import compile as kcompile
+
+    key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=stages, persistent=True,
+                             dtype="bf16", out_dtype="fp32" if accumulate else "bf16",
+                             a_major="m" if accumulate else "k", b_form="kn" if accumulate
+                             else "nk", b_contig="last", has_bias=not accumulate,
+                             arch="sm_90a", pingpong=pingpong, swap_ab=swap_ab,
+                             accumulate=accumulate)
+    ptx = _audited_ptx(key, tmp_path)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    zeros = [i for i, ln in enumerate(lines) if re.match(r"mov\.b32\s+%r\d+, 0f00000000;", ln)]
+    per_thread = tile[0] * tile[1] // (128 * (1 if pingpong else 2))
+    if accumulate:  # C's fp32 values, loaded per element
+        assert len(re.findall(r"ld\.global\.b32\s", ptx)) >= per_thread
+    else:
+        assert zeros and len(zeros) % per_thread == 0, (len(zeros), per_thread)
+        for i in zeros:  # the next WGMMA instruction after each zero is the fence
+            nxt = next(x for x in lines[i + 1:] if x.startswith("wgmma."))
+            assert nxt.startswith("wgmma.fence"), nxt
+    report = _assert_no_spills(ptx, tmp_path)
+    assert not re.search(r"C75\d\d", report), report[-500:]
 
 
 # A grouped kernel's key (128x256 tiles on a 1x2 cluster, bf16, B [K, N]) for the offs tests.

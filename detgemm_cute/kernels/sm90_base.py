@@ -22,6 +22,7 @@ from .operands import as_tf32, b_as_nk, with_batch_mode
 from .sm90_chunked import ChunkedChain
 from .sm90_epilogue import EpilogueStores
 from .tf32_mma import make_tf32_tiled_mma
+from .wgmma_registers import fence_operands, zero_pinned
 
 WG = 128  # threads per warpgroup
 GROUP_TABLE = sm90_limits.GROUPED_MAX_GROUPS + 2  # grouped: first tile of each group, + 2
@@ -701,9 +702,20 @@ class Sm90Base(ChunkedChain, EpilogueStores):
         registers at 128x192). There a guard per element made ptxas spill and issue every
         WGMMA alone (C7511), so only the rows are guarded and the columns are clamped to C's
         last one. A cooperative consumer holds half the tile and guards both (the clamp
-        spilled there). `detgemm-cute compile --ptxas` shows such warnings."""
-        acc.fill(0.0)
-        if cutlass.const_expr(self.accumulate):
+        spilled there). `detgemm-cute compile --ptxas` shows such warnings.
+
+        The start values are pinned (`wgmma_registers`): each zero is its own volatile
+        `mov`, and C's values are fenced once loaded. Where the compiler instead sank the
+        zero fill past the WGMMA fence, ptxas drained the pipe after each tile's first WGMMA
+        (C7517, 164 of 631 table kernels on 2026-11-29). The chunked chain's sum is no WGMMA
+        operand (its chunks are, `sm90_chunked`); pinned, its zeros made ptxas spill."""
+        if cutlass.const_expr(not self.accumulate):
+            if cutlass.const_expr(self.chunked):
+                acc.fill(0.0)
+            else:
+                zero_pinned(acc)
+        else:
+            acc.fill(0.0)
             mC_in = mC_in_mnl[(None, None, tile_l)]
             bm, bn, _ = self.tile_shape_mnk
             if cutlass.const_expr(self.row_tile):
@@ -737,6 +749,8 @@ class Sm90Base(ChunkedChain, EpilogueStores):
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         if cute.elem_less(tCcC[i], mC_in.shape):
                             acc[i] = tCgC[i]
+            if cutlass.const_expr(not self.chunked):
+                fence_operands(acc)
 
     @cute.jit
     def _add_bias(self, acc, thr_mma_thread, mBias, mC_mn, place):

@@ -23,45 +23,20 @@ ptxas serialized every WGMMA (warning C7514). The k_tiles % CHUNK_GROUP chunks l
 one at a time. Every chunk starts at +0.0 and the adds keep their order: the bits of the
 one-chunk-at-a-time loop.
 
-Two volatile asm helpers hold that schedule: `_pinned_zero` writes each zero a chunk starts
-from into its own register before the WGMMA fence, and `fence_operands` pins a fragment's
-values (an empty asm that reads and writes each register) so a chunk's adds sit between the
-wait that retires it and the next chunk's issue. Without them the compiler copied one zero
-register into the others after the fence and moved the adds past the next chunk's WGMMAs;
-ptxas then serialized the WGMMAs (C7514) or injected waits of its own (C7517).
+Two volatile asm helpers (`wgmma_registers`) hold that schedule: `zero_pinned` writes each
+zero a chunk starts from into its own register before the WGMMA fence, and `fence_operands`
+pins a fragment's values (an empty asm that reads and writes each register) so a chunk's adds
+sit between the wait that retires it and the next chunk's issue. Without them the compiler
+copied one zero register into the others after the fence and moved the adds past the next
+chunk's WGMMAs; ptxas then serialized the WGMMAs (C7514) or injected waits of its own (C7517).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import dsl_user_op
-from cutlass._mlir.dialects import llvm
 
-
-@dsl_user_op
-def _pinned(x, *, loc=None, ip=None):
-    """x, through an empty volatile asm that the compiler cannot move or see through."""
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "",
-        "=f,0", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _pinned_zero(*, loc=None, ip=None):
-    """+0.0 written into a register of its own by a volatile asm (not a copy of another)."""
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [], "mov.b32 $0, 0f00000000;", "=f",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def fence_operands(frag):
-    """Every fp32 register of `frag` is read and written here, in program order with the
-    WGMMA instructions (CUTLASS's warpgroup_fence_operand)."""
-    for i in cutlass.range_constexpr(cute.size(frag)):
-        frag[i] = _pinned(frag[i])
+from .wgmma_registers import fence_operands, zero_pinned
 
 
 # Chunks per group (the module docstring): the WGMMA pipe drains once per group.
@@ -118,8 +93,7 @@ class ChunkedChain:
     def _issue_chunk(self, tiled_mma, part, tCrA, tCrB, stage):
         """One chunk's WGMMA steps onto `part`, from +0.0 (committed, not waited for). Each
         zero is written into its own register before the WGMMA fence."""
-        for i in cutlass.range_constexpr(cute.size(part)):
-            part[i] = _pinned_zero()
+        zero_pinned(part)
         self._mma_k_tile(tiled_mma, part, tCrA, tCrB, stage)
 
     @cute.jit
