@@ -57,7 +57,8 @@ def parse_args(argv=None, prog=None):
                    help="replace the suite with these shapes (M tokens, K inputs, N outputs)")
     p.add_argument("--shapes-file", metavar="FILE",
                    help="replace the suite with the shapes in FILE ('MxKxN [label]' per line)")
-    p.add_argument("--every", type=int, default=1, help="keep every N-th problem")
+    p.add_argument("--every", type=int, default=1,
+                   help="keep every N-th problem of each op")
     p.add_argument("--limit", type=int, default=None, help="keep at most N problems")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="start no new problem after this many seconds (report what was run; "
@@ -104,7 +105,7 @@ def parse_args(argv=None, prog=None):
             probs = dedup(problems_for(shapes, ops or ("fwd",)))
         else:
             probs = suites.suite_problems(args.suite, ops)
-        args.problems = subsample(probs, args.every, args.limit)
+        args.problems = subsample(probs, args.every, args.limit, key=lambda q: q.op)
     except (ValueError, OSError) as e:
         p.error(str(e))
     args.shape_list = [(q.m, q.k, q.n) for q in args.problems]

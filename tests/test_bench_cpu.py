@@ -175,6 +175,15 @@ def test_dedup_and_subsample():
     assert d[0].label == "a / b"
     assert subsample(range(10), every=3) == [0, 3, 6, 9]
     assert subsample(range(10), every=2, limit=3) == [0, 2, 4]
+    # Per op: a suite listing fwd, dx, dw per weight keeps the same weights of each op.
+    from detgemm_cute.benchlib import suites
+    probs = suites.suite_problems("prefill-heldout", ("fwd", "dx", "dw"))
+    kept = subsample(probs, every=3, key=lambda q: q.op)
+    by_op = {op: [(q.m, q.k, q.n) for q in kept if q.op == op] for op in ("fwd", "dx", "dw")}
+    assert by_op["fwd"] and by_op["fwd"] == by_op["dx"] == by_op["dw"]
+    assert len(kept) == 3 * len(by_op["fwd"]) == 3 * -(-len(probs) // 9)
+    assert {q.op for q in subsample(probs, every=3)} == {"fwd"}  # the plain count: one op
+    assert subsample("aAbBcC", every=2, offset=1, key=str.isupper) == ["b", "B"]
     with pytest.raises(ValueError):
         subsample(range(3), every=0)
 

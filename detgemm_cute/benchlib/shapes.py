@@ -137,13 +137,25 @@ def dedup(problems) -> list[Problem]:
     return list(seen.values())
 
 
-def subsample(items, every: int = 1, limit: int | None = None, offset: int = 0) -> list:
-    """Every `every`-th item starting at `offset`, then the first `limit` of those."""
+def subsample(items, every: int = 1, limit: int | None = None, offset: int = 0,
+              key=None) -> list:
+    """Every `every`-th item starting at `offset`, then the first `limit` of those. With
+    `key` (e.g. a problem's op) the count runs per key, in the items' order: a suite that
+    lists fwd, dx and dw per weight keeps the same weights of every op (a plain count with
+    `every` equal to the number of ops would keep one op only)."""
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
-    picked = list(items)[offset::every]
+    if key is None:
+        picked = list(items)[offset::every]
+    else:
+        seen: dict = {}
+        picked = []
+        for item in items:
+            i = seen[key(item)] = seen.get(key(item), -1) + 1
+            if i >= offset and (i - offset) % every == 0:
+                picked.append(item)
     return picked if limit is None else picked[:limit]
 
 

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--shapes-file", metavar="FILE", help="'MxKxN [label]' per line")
     src.add_argument("--ops", help="comma-separated fwd,dx,dw (default: the preset's, or fwd)")
     src.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    src.add_argument("--every", type=positive_int, default=1, help="keep every N-th problem")
+    src.add_argument("--every", type=positive_int, default=1, help="keep every N-th problem of each op")
     src.add_argument("--limit", type=at_least(int, 0), default=None, help="keep at most N problems")
     src.add_argument("--in-order", action="store_true",
                      help="time problems in suite order (default: a fixed shuffle, so a "
@@ -120,7 +120,7 @@ def select_problems(args):
         probs += problems_for(shapes, ops or ("fwd",))
     if not probs:
         raise ValueError("tune: give problems with --preset, --shapes or --shapes-file")
-    probs = subsample(dedup(probs), args.every, args.limit)
+    probs = subsample(dedup(probs), args.every, args.limit, key=lambda q: q.op)
     if not args.in_order:
         random.Random(args.seed).shuffle(probs)
     return probs
