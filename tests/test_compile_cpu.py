@@ -99,6 +99,12 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
     return info.stderr
 
 
+def _c_elements_loaded(ptx: str) -> int:
+    """fp32 elements the PTX loads from global memory with 32-bit loads (scalar, .v2, .v4):
+    a `dW +=` kernel's loads of C."""
+    return sum(int(v or 1) for v in re.findall(r"ld\.global(?:\.v(\d))?\.b32\s", ptx))
+
+
 def _assert_no_spills(ptx: str, tmp_path) -> str:
     """With ptxas at hand: the PTX assembles for sm_90a with no spill stores; returns
     ptxas's report ("" without ptxas)."""
@@ -471,8 +477,9 @@ def test_chunked_kernels_overlap_their_chunks(tmp_path, tile, cluster, stages, p
                    len(lines))
         adds = sum(bool(re.match(r"add(\.rn)?\.f32\s", x)) for x in lines[i + 1:nxt])
         assert adds >= per_thread, (adds, per_thread)
-    if accumulate:  # dW +=: the chain continues from C's fp32 values, loaded per element
-        assert len(re.findall(r"ld\.global\.b32\s", ptx)) >= per_thread
+    if accumulate:  # dW +=: the chain continues from C's fp32 values (a tile inside C and
+        # an edge tile load them on paths of their own)
+        assert _c_elements_loaded(ptx) >= 2 * per_thread, (_c_elements_loaded(ptx), per_thread)
     assert not re.search(r"C75\d\d", _assert_no_spills(ptx, tmp_path))
 
 
@@ -484,11 +491,12 @@ def test_chunked_kernels_overlap_their_chunks(tmp_path, tile, cluster, stages, p
     ((128, 192, 64), (1, 2), 5, True, False, True)])
 def test_dense_kernels_pin_their_accumulator_start(tmp_path, tile, cluster, stages, pingpong,
                                                    swap_ab, accumulate):
-    """A 16-bit kernel's chain starts from zeros written by volatile movs
-    (`wgmma_registers`), each before the WGMMA fence of the tile's first k tile, or (dW +=)
-    from C's values, fenced. When the compiler sank a copied zero fill past the fence, ptxas
-    drained the pipe after each tile's first WGMMA (info C7517, in 164 table kernels) and
-    the 128x192 ping-pong kernel spilled; with ptxas at hand neither may remain."""
+    """A non-chunked SM90 kernel's chain starts from zeros written by volatile movs
+    (`wgmma_registers`), each before the WGMMA fence of the tile's first k tile, or (dW +=) from C's
+    values, each register pinned by an empty asm after the loads, before the fence. When the
+    compiler sank a copied zero fill past the fence, ptxas drained the pipe after each tile's first
+    WGMMA (info C7517, in 164 table kernels) and the 128x192 ping-pong kernel spilled; with ptxas at
+    hand neither may remain."""
     from detgemm_cute import compile as kcompile
 
     key = kcompile.KernelKey(tile=tile, cluster=cluster, stages=stages, persistent=True,
@@ -501,10 +509,18 @@ def test_dense_kernels_pin_their_accumulator_start(tmp_path, tile, cluster, stag
     lines = [ln.strip() for ln in ptx.splitlines()]
     zeros = [i for i, ln in enumerate(lines) if re.match(r"mov\.b32\s+%r\d+, 0f00000000;", ln)]
     per_thread = tile[0] * tile[1] // (128 * (1 if pingpong else 2))
-    if accumulate:  # C's fp32 values, loaded per element
-        assert len(re.findall(r"ld\.global\.b32\s", ptx)) >= per_thread
+    fence = next(i for i, x in enumerate(lines) if x.startswith("wgmma.fence"))
+    if accumulate:
+        # C's values (inside and edge tiles, `_c_elements_loaded`), then one empty asm per
+        # accumulator register (`fence_operands`) after the last load, before the fence.
+        assert _c_elements_loaded(ptx) >= 2 * per_thread, (_c_elements_loaded(ptx), per_thread)
+        last = max(i for i, x in enumerate(lines[:fence]) if re.match(r"ld\.global", x))
+        pins = sum(a.startswith("// begin inline asm") and b.startswith("// end inline asm")
+                   for a, b in zip(lines[last:fence], lines[last + 1:fence]))
+        assert pins >= per_thread, (pins, per_thread)
     else:
-        assert zeros and len(zeros) % per_thread == 0, (len(zeros), per_thread)
+        assert zeros and zeros[0] < fence and len(zeros) % per_thread == 0, \
+            (len(zeros), per_thread)
         for i in zeros:  # the next WGMMA instruction after each zero is the fence
             nxt = next(x for x in lines[i + 1:] if x.startswith("wgmma."))
             assert nxt.startswith("wgmma.fence"), nxt

@@ -289,6 +289,8 @@ class Sm90GemmPersistent(ARowLoads, Sm90Base):
         if cutlass.const_expr(self.halves_idle):
             idle_below = consumer * (self.tile_shape_mnk[0] // 2)
         if place.rows > 0:
+            # A plain fill: zeros pinned by volatile movs (`wgmma_registers`, as `_init_acc`
+            # writes them) made ptxas serialize this kernel's WGMMAs (C7515).
             acc.fill(0.0)
         if place.loads:
             read.reset_count()

@@ -704,11 +704,11 @@ class Sm90Base(ChunkedChain, EpilogueStores):
         last one. A cooperative consumer holds half the tile and guards both (the clamp
         spilled there). `detgemm-cute compile --ptxas` shows such warnings.
 
-        The start values are pinned (`wgmma_registers`): each zero is its own volatile
-        `mov`, and C's values are fenced once loaded. Where the compiler instead sank the
-        zero fill past the WGMMA fence, ptxas drained the pipe after each tile's first WGMMA
-        (C7517, 164 of 631 table kernels on 2026-11-29). The chunked chain's sum is no WGMMA
-        operand (its chunks are, `sm90_chunked`); pinned, its zeros made ptxas spill."""
+        The start values are pinned (`wgmma_registers`): from +0.0, each zero is its own volatile
+        `mov`; for `dW +=`, C's values (over a plain fill) are fenced once loaded. Where the
+        compiler instead sank the zero fill past the WGMMA fence, ptxas drained the pipe after each
+        tile's first WGMMA (C7517, 164 of 631 table kernels on 2026-11-29). The chunked chain's sum
+        is no WGMMA operand (its chunks are, `sm90_chunked`); pinned, its zeros made ptxas spill."""
         if cutlass.const_expr(not self.accumulate):
             if cutlass.const_expr(self.chunked):
                 acc.fill(0.0)
