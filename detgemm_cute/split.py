@@ -260,6 +260,12 @@ def scaled_columns_cuda(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+# Per-column values read a quad (16 bytes) at a time: [C/4, 4] as the kernels see them (the
+# column split's maxima and scales, the unscale kernel's s_b and bias), [C] as staged.
+_QUADS = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
+_QUAD_ROWS = needs.Need(needs.VEC_BYTES, (needs.UNIT,))
+
+
 # Read once at import: the split runs on every fp32 GEMM.
 _KERNELS_ON = env_flag(KERNEL_ENV, True)
 
@@ -506,16 +512,9 @@ def unscale_cuda(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias, ou
     return out
 
 
-# Per-column values read a quad (16 bytes) at a time: [C/4, 4] as the kernels see them (the
-# column split's maxima and scales, the unscale kernel's s_b and bias), [C] as staged.
-_QUADS = needs.Need(needs.VEC_BYTES, (4, needs.UNIT))
-_QUAD_ROWS = needs.Need(needs.VEC_BYTES, (needs.UNIT,))
-
-
 __all__ = ["PRECISIONS", "fp32_precision", "checked_precision", "precision",
            "forward_precision", "at_precision",
            "tf32_round", "row_scales", "parts", "operand", "scaled_operand_cuda",
            "exact_parts", "exact_operand", "exact_operand_cuda", "split_k", "scale_acc",
            "unscale", "finish", "biased_rounded", "unscale_applies", "unscale_cuda",
-           "BLOCK_K", "EXACT_BLOCK_K",
-           "STEPS", "CHUNK_K", "PART_DTYPE"]
+           "BLOCK_K", "EXACT_BLOCK_K", "STEPS", "CHUNK_K", "PART_DTYPE"]
