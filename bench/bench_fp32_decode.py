@@ -19,8 +19,14 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
   floor of any kernel that reads the fp32 weight.
 Bits: every detgemm unit against `split_path` on the first input set.
 
+With ``--op dx``, dX = dY [M, N] @ W [N, K] per weight (K -> N) instead (`measure_dx`):
+`detgemm_fp32` (`dg.input_grad`: the fused path on W's K-major copy,
+`split_decode.applies_kn`), `split_path` (W split in place down its columns, the chunked
+GEMM: what it replaces), `transpose` (the copy alone), `fused_on_copy` (the fused kernel
+on a held copy, guessed scales), `cublas_sgemm` (dY @ W, TF32 off) and `read_w`.
+
     python bench/bench_fp32_decode.py --out $OUT
-        [--sweep [cluster|stream|tile|inline|guess]]
+        [--op dx] [--sweep [cluster|stream|tile|inline|guess]]
         [--max-seconds 300]
 """
 
@@ -31,13 +37,13 @@ from pathlib import Path
 import torch
 
 import detgemm_cute as dg
-from detgemm_cute import split_decode
+from detgemm_cute import split_decode, staging
 from detgemm_cute.benchlib import gpu
 from detgemm_cute.benchlib.fmt import device_slug
 from detgemm_cute.benchlib.runner import run_time_boxed
 from detgemm_cute.benchlib.stats import geomean
 from detgemm_cute.benchlib.timing import TimingPlan, n_sets_for, time_units
-from bench_fp32 import sgemm
+from bench_fp32 import mm_tf32, sgemm
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64)
 # Public-model projections (hidden -> out), several families and tensor-parallel shards.
@@ -207,6 +213,79 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     return row
 
 
+def measure_dx(m, k, n, l2, cap) -> dict:
+    """dX of the weight W [N, K] at M rows of dY (see the module docstring)."""
+    sets = []
+    for _ in range(min(8, n_sets_for(4 * (m + 2 * k) * n, l2, PLAN))):
+        dy, w = torch.randn(m, n, device="cuda"), torch.randn(n, k, device="cuda")
+        split_decode.guesses(w.t(), of=w)  # as a call before capture would make it
+        sets.append((dy, w, w.t().contiguous()))
+    units = {"detgemm_fp32": lambda s: dg.input_grad(s[0], s[1]), "split_path": split_path_dx,
+             "transpose": lambda s: staging.transposed(s[1], n),
+             "fused_on_copy": lambda s: split_decode.decode_gemm(s[0], s[2], None,
+                                                                  guess_of=s[1]),
+             "cublas_sgemm": lambda s: mm_tf32(s[0], s[1], False),
+             "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
+    res = time_units(units, sets, PLAN, cap)
+    us = {nm: r.get("us") for nm, r in res.items()}
+    ref = split_path_dx(sets[0]).view(torch.int32)
+    same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref)
+            for nm in ("detgemm_fp32", "fused_on_copy")}
+    row = {"M": m, "K": k, "N": n, "fused": split_decode.applies_kn(sets[0][0], sets[0][1],
+                                                                    None, "dx"),
+           "us": us, "bits_equal_split_path": same,
+           "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
+    gpu.log(f"dx {m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}; "
+            f"transpose {us['transpose']}, on copy {us['fused_on_copy']}); sgemm "
+            f"{us['cublas_sgemm']}; read W {us['read_w']}; bits {same}")
+    del sets
+    return row
+
+
+def split_path_dx(s):
+    with split_decode.fused_kn(False):
+        return dg.input_grad(s[0], s[1])
+
+
+def _vs_sgemm(us, t) -> str:
+    """SGEMM's time over `t` (a row's `us`), or "-"."""
+    return "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"
+
+
+def report_dx(rows, meta) -> list[str]:
+    f = lambda v: "-" if not v else f"{v:.1f}"  # noqa: E731
+    timed = [r for r in rows if r["us"].get("cublas_sgemm") and r["us"].get("detgemm_fp32")
+             and r["us"].get("split_path")]
+    speed = [r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] for r in timed]
+    before = [r["us"]["cublas_sgemm"] / r["us"]["split_path"] for r in timed]
+    gain = [r["us"]["split_path"] / r["us"]["detgemm_fp32"] for r in timed]
+    bits = all(all(r["bits_equal_split_path"].values()) for r in rows)
+    lines = [f"# fp32 \"ieee\" dX at decode sizes ({meta['device']})", "",
+             f"torch {torch.__version__}; CUDA-graph medians, us; one run. dX = dY [M, N] @ W "
+             "[N, K] for a weight K -> N. `detgemm fp32`: `dg.input_grad` (the fused path on "
+             "W's K-major copy where `applies_kn`); `split path`: W split in place down its "
+             "columns, then the chunked GEMM (what it replaces); `transpose`: the copy alone; "
+             "`on copy`: the fused kernel on a held copy; `read W`: one read of W.", "",
+             f"vs SGEMM (dY @ W, TF32 off): detgemm {geomean(speed) or 0:.2f}x (min "
+             f"{min(speed) if speed else 0:.2f}x, {sum(v < 0.8 for v in speed)} below 0.8x), "
+             f"the split path {geomean(before) or 0:.2f}x ({sum(v < 0.8 for v in before)} "
+             f"below 0.8x) over {len(timed)} problems; detgemm {geomean(gain) or 0:.2f}x the "
+             f"split path's speed (min {min(gain) if gain else 0:.2f}x); bits equal the split "
+             f"path on every problem: {bits}.", "",
+             "| M | weight K -> N | fused | detgemm fp32 | split path | transpose | on copy "
+             "| SGEMM | read W | vs SGEMM | split path vs SGEMM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        us = r["us"]
+        lines.append(f"| {r['M']} | {r['K']} -> {r['N']} | {'yes' if r['fused'] else 'no'} | "
+                     f"{f(us['detgemm_fp32'])} | {f(us['split_path'])} | "
+                     f"{f(us.get('transpose'))} | {f(us.get('fused_on_copy'))} | "
+                     f"{f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
+                     f"{_vs_sgemm(us, us['detgemm_fp32'])} | "
+                     f"{_vs_sgemm(us, us['split_path'])} |")
+    return lines
+
+
 def report(rows, meta) -> list[str]:
     f = lambda v: "-" if not v else f"{v:.1f}"  # noqa: E731
     speed = [r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] for r in rows
@@ -244,15 +323,12 @@ def report(rows, meta) -> list[str]:
         forced_us = {nm: v for nm, v in us.items()
                      if nm.startswith(FORCED) and nm != "stream_cold" and v}
         best = min(forced_us, key=forced_us.get) if forced_us else None
-        def ratio(t, us=us):
-            return "-" if not (t and us["cublas_sgemm"]) else f"{us['cublas_sgemm'] / t:.2f}"
-
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {f(us['detgemm_fp32'])} | "
                      f"{_launch(r)} | {f(us.get('stream'))} | {f(us.get('stream_twopass'))} | "
                      f"{f(us.get('stream_cold'))} | {f(us.get('cluster'))} | "
                      f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
-                     f"{ratio(us['detgemm_fp32'])} | {ratio(us['split_path'])} | "
-                     f"{best or '-'} {f(forced_us.get(best))} |")
+                     f"{_vs_sgemm(us, us['detgemm_fp32'])} | "
+                     f"{_vs_sgemm(us, us['split_path'])} | {best or '-'} {f(forced_us.get(best))} |")
     return lines
 
 
@@ -269,6 +345,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--m-list", help="comma-separated M (default: 1..64 in powers of two)")
     ap.add_argument("--kn", help="comma-separated KxN pairs (default: DECODE_KN)")
+    ap.add_argument("--op", choices=["fwd", "dx"], default="fwd",
+                    help="dx: dY @ W per weight (`measure_dx`) instead of the forward")
     ap.add_argument("--sweep", nargs="?", const="all",
                     choices=["all", "cluster", "stream", "tile", "inline", "guess"],
                     help="also time the forced shapes of both kernels (or of one)")
@@ -283,10 +361,16 @@ def main() -> int:
            else DECODE_KN)
     meta, l2, cap = gpu.device_meta(), gpu.l2_bytes(), torch.cuda.Stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    slug = device_slug(meta["device"])
+    if args.op == "dx":
+        run_time_boxed([(k, n, m) for k, n in kns for m in ms],
+                       lambda p: measure_dx(p[2], p[0], p[1], l2, cap),
+                       Path(args.out) / f"fp32-decode-dx_{slug}", meta, args.max_seconds,
+                       report_dx)
+        return 0
     run_time_boxed([(k, n, m) for k, n in kns for m in ms],
                    lambda p: measure(p[2], p[0], p[1], args.sweep, l2, cap, sms),
-                   Path(args.out) / f"fp32-decode_{device_slug(meta['device'])}", meta,
-                   args.max_seconds, report)
+                   Path(args.out) / f"fp32-decode_{slug}", meta, args.max_seconds, report)
     return 0
 
 

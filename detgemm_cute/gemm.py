@@ -456,8 +456,9 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     """The fp32 tier's full precision on the GPU (`split`). fwd/dX: scale and split both
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, then unscale,
     bias and the one rounding (`split.finish`: one kernel); with few rows
-    (`split_decode.applies`) W's split runs inside the GEMM instead, with the same bits. A B
-    given N-major ("kn": dX's weight, mm's [K, N]) is split in place into N-major parts
+    (`split_decode.applies`) W's split runs inside the GEMM instead, with the same bits (a
+    B given N-major, "kn": through its K-major copy, `applies_kn`). Otherwise a B given
+    N-major (dX's weight, mm's [K, N]) is split in place into N-major parts
     (`split.scaled_columns_cuda`), not copied K-major.
     dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`. (Precision "tf32"
     runs the TF32 kernels through the plain path.)"""
@@ -470,6 +471,8 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
             return acc
     elif _forced.name is None and split_decode.applies(a, b_nk, acc, op):  # W split in-GEMM
         y, bias = launch_on(a.device, split_decode.decode_gemm, a, b_nk, bias), None
+    elif _forced.name is None and b_form == "kn" and split_decode.applies_kn(a, b, acc, op):
+        y, bias = launch_on(a.device, split_decode.decode_gemm_kn, a, b, bias), None
     else:
         a2, sa = split.scaled_operand_cuda(a, "a")
         if b_form == "kn" and arch_of(a.device) == "sm90" and split.columns_apply(b):

@@ -24,6 +24,13 @@ multiple of 32, the weight K-contiguous with 16-byte-aligned rows and base
 (`tensor_needs.SPLIT_ROWS`), a GPU from sm_80 up. ``DETGEMM_CUTE_FP32_DECODE=0`` (read at
 import) turns it off.
 
+A weight given [K, N] with N contiguous (`applies_kn`: dX's W [N_out, K_out] reduces down
+its columns; mm's [K, N] operand) takes it through a K-major copy (`staging.transposed`,
+one read and one write of W): the split path would read W for its column maxima, again for
+the split, write 1.5x its bytes as fp16 parts and read those back in a GEMM with few tiles.
+The copy's guessed scales are kept for the given weight itself (`guesses`' ``of``), apart
+from its fwd row scales.
+
 The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
 and round, a persistent grid of two CTAs per SM at most, X staged as its parts or as fp32)
 and `cluster_shape` (CTAs per cluster and chunks per CTA from a byte target).
@@ -37,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import split
+from . import split, staging
 from .env import env_flag
 from .kernels import tensor_needs as needs
 
@@ -47,6 +54,7 @@ X_FP32_M = 8  # rows of X (m_rows) from which X is staged as fp32 and split in r
 X_INLINE_M = 4  # rows of X (m_rows) up to which the kernel takes X's row scales itself
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = env_flag(ENV, True)
+_KN_ON = True  # `applies_kn` (`fused_kn` turns it off: benchmarks and tests compare)
 CTAS_PER_SM = 2
 # The streaming kernel guesses W's row scales (the weight's scales from its last call on the
 # stream, kept in `guesses`' buffers) instead of taking the row maxima before the block, and
@@ -103,6 +111,18 @@ def fused(on: bool):
         _ON = prev
 
 
+@contextlib.contextmanager
+def fused_kn(on: bool):
+    """Turn the fused path of weights given [K, N] (`applies_kn`) on or off inside the block
+    (process-wide, as `fused`)."""
+    global _KN_ON
+    prev, _KN_ON = _KN_ON, bool(on)
+    try:
+        yield
+    finally:
+        _KN_ON = prev
+
+
 def covers(op: str, m: int, k: int, max_m: int = MAX_M) -> bool:
     """Whether a problem's shape is one the fused path serves (fwd or dX, 1 <= M <= max_m,
     K a positive multiple of 32): `applies` adds the operands' layout and the GPU."""
@@ -118,6 +138,18 @@ def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
     """Whether this fp32 "ieee" call runs on the fused kernel (see the module docstring)."""
     m, k = a.shape
     if not (_ON and acc is None and covers(op, m, k) and W_NEED.meets(b_nk)):
+        return False
+    capability = _capability(a.device)
+    return capability >= (8, 0) and m <= max_m(capability)
+
+
+def applies_kn(a: torch.Tensor, b_kn: torch.Tensor, acc, op: str) -> bool:
+    """Whether this fp32 "ieee" call, its B given [K, N] with unit stride along N (dX's
+    weight, mm's [K, N] operand), runs on the fused kernel through B's K-major copy
+    (`decode_gemm_kn`)."""
+    m, k = a.shape
+    if not (_ON and _KN_ON and acc is None and covers(op, m, k)
+            and needs.TRANSPOSE_SRC.meets(b_kn) and split._kernels_on()):
         return False
     capability = _capability(a.device)
     return capability >= (8, 0) and m <= max_m(capability)
@@ -144,7 +176,8 @@ def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
                        "(tile_shape)")
     if GUESS and not cluster:
         kernel += ", W's row scales guessed from its last call and checked"
-    return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows) '
+    return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows), '
+            "or one given [K, N] (dX's weight: through its K-major copy, staging.transposed), "
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "
             f'"tf32", force_bucket or {ENV}=0 run the bucket')
@@ -378,19 +411,29 @@ def default_shape(m: int, n: int, k: int, device: torch.device, guess: bool | No
     return tile or stream_shape(m, n, k, device, guess)
 
 
+def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """`decode_gemm` of a B given [K, N] (`applies_kn`): on its K-major copy, with the
+    guessed scales kept for `b_kn` itself."""
+    w = staging.transposed(b_kn, b_kn.shape[0])
+    return decode_gemm(a, b_kn.t().contiguous() if w is None else w, bias, guess_of=b_kn)
+
+
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
-                shape: tuple[int, ...] | None = None) -> torch.Tensor:
+                shape: tuple[int, ...] | None = None,
+                guess_of: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
     bias in fp32 (not yet rounded to another output dtype). `shape` forces a kernel
     (benchmarks, tests): a `ClusterShape`, a `TileShape`, or a `StreamShape` (also as a plain
-    tuple)."""
+    tuple). `guess_of`: the tensor whose guess buffer b_nk's row scales take (`guesses`;
+    b_nk a copy of it)."""
     m, k = a.shape
     n = b_nk.shape[0]
     chunks = k // split.BLOCK_K
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    shape, guess = plan(m, n, k, b_nk, shape)
+    shape, guess = plan(m, n, k, b_nk, shape, guess_of)
     inline = isinstance(shape, StreamShape) and shape.x_inline
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
@@ -425,7 +468,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
-def plan(m: int, n: int, k: int, b_nk: torch.Tensor, shape=None):
+def plan(m: int, n: int, k: int, b_nk: torch.Tensor, shape=None, guess_of=None):
     """(kernel shape, guess buffer or None) for one call: `shape` forced (a plain tuple is
     a `StreamShape`) or `default_shape`; a guessing shape gets the weight's buffer
     (`guesses`), and where it has none the default becomes the two-pass rules' shape (a
@@ -437,13 +480,13 @@ def plan(m: int, n: int, k: int, b_nk: torch.Tensor, shape=None):
         shape = StreamShape(*shape)  # a plain tuple: the streaming kernel's fields
     if isinstance(shape, ClusterShape) or not shape.w_guess:
         return shape, None
-    guess = guesses(b_nk)
+    guess = guesses(b_nk, guess_of)
     if guess is None and not forced:
         return default_shape(m, n, k, b_nk.device, False), None
     return shape, guess
 
 
-def guesses(b_nk: torch.Tensor) -> torch.Tensor | None:
+def guesses(b_nk: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor | None:
     """The int32 [N] buffer of W's guessed row scales for this weight (`SplitGemvFp32`'s
     `w_guess`), or None (the call then takes the row maxima first): under CUDA-graph capture
     for a weight with no buffer yet (a buffer made there would pin the graph's memory pool),
@@ -452,9 +495,13 @@ def guesses(b_nk: torch.Tensor) -> torch.Tensor | None:
     the process: captured graphs keep its address, so it is never freed. Keyed by the
     weight's address, shape and row pitch: a new tensor at an old address inherits guesses,
     which costs at most a second pass over a block, never a bit. Kernels on several streams
-    may read and write one buffer at once: each checks what it reads."""
+    may read and write one buffer at once: each checks what it reads. With `of` (b_nk a
+    K-major copy of it, `decode_gemm_kn`) the buffer is keyed by `of`, apart from the
+    buffer of the same tensor read as [N, K] (dX's weight keeps its column scales, its fwd
+    its row scales)."""
     global _guess_bytes
-    key = (b_nk.data_ptr(), *b_nk.shape, b_nk.stride(0), b_nk.device.index)
+    src = b_nk if of is None else of
+    key = (src.data_ptr(), *src.shape, src.stride(0), src.device.index, of is not None)
     buf = _GUESSES.get(key)
     if buf is None:
         n = b_nk.shape[0]

@@ -64,3 +64,19 @@ def test_report_renders(bd):
     # the cold unit (every guess wrong) is a worst case, never the best forced shape
     assert any("1.100x the speed over 2 problems" in line and "2.255x" in line
                for line in lines)
+
+
+def test_dx_report_renders(bd):
+    us = {"detgemm_fp32": 20.0, "split_path": 48.0, "transpose": 9.0, "fused_on_copy": 11.0,
+          "cublas_sgemm": 21.0, "read_w": 5.0}
+    rows = [{"M": 16, "K": 4096, "N": 1024, "fused": True, "us": us,
+             "bits_equal_split_path": {"detgemm_fp32": True, "fused_on_copy": True}},
+            {"M": 64, "K": 100, "N": 1000, "fused": False, "us": dict(us, transpose=None),
+             "bits_equal_split_path": {"detgemm_fp32": True, "fused_on_copy": False}}]
+    lines = bd.report_dx(rows, {"device": "TEST GPU"})
+    assert lines[-2] == ("| 16 | 4096 -> 1024 | yes | 20.0 | 48.0 | 9.0 | 11.0 | 21.0 | 5.0 | "
+                         "1.05 | 0.44 |")
+    assert lines[-1].startswith("| 64 | 100 -> 1000 | no | 20.0 | 48.0 | - |")
+    head = "\n".join(lines[:6])
+    assert "detgemm 1.05x (min 1.05x, 0 below 0.8x), the split path 0.44x (2 below" in head
+    assert "2.40x the split path's speed" in head and "every problem: False" in head

@@ -253,9 +253,11 @@ def test_unscale_kernel_same_bits_as_pytorch(m, n, out_dtype, with_bias):
 def test_weight_read_in_place_same_bits(monkeypatch, m, r, c, wider):
     """dX = dY @ W and mm(X, W [K, N]) split W in place (its reduction down the columns; on
     sm90 the split runs, counted): the reference's bits, and those of the same product with
-    W copied K-major. `wider`: W is a column window of a wider buffer (row pitch != C)."""
-    from detgemm_cute import gemm, split
+    W copied K-major. `wider`: W is a column window of a wider buffer (row pitch != C). The
+    fused path of few rows (`split_decode.applies_kn`) is off: it takes a K-major copy."""
+    from detgemm_cute import gemm, split, split_decode
 
+    monkeypatch.setattr(split_decode, "_KN_ON", False)
     calls = []
     real = split.scaled_columns_cuda
     monkeypatch.setattr(split, "scaled_columns_cuda", lambda w: calls.append(1) or real(w))

@@ -387,3 +387,108 @@ def test_autograd_forward_uses_it_and_backward_matches():
         y2 = lin(x)
         y2.sum().backward()
     assert same_bits(y, y2) and same_bits(x.grad, gx) and same_bits(lin.weight.grad, gw)
+
+
+# ---- weights given [K, N] (dX's W, mm's [K, N] operand): the fused path on a K-major copy
+
+
+def kn_paths(dy, w, bias=None):
+    """dX = dY @ W (or addmm with a bias) on the fused path through W's K-major copy, and
+    the same call on the split path (W split in place down its columns)."""
+    with split_decode.fused(True), split_decode.fused_kn(True):
+        assert split_decode.applies_kn(dy, w, None, "dx")
+        poison()
+        got = dg.input_grad(dy, w) if bias is None else dg.addmm(bias, dy, w)
+    with split_decode.fused_kn(False):
+        want = dg.input_grad(dy, w) if bias is None else dg.addmm(bias, dy, w)
+    return got, want
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 33, 64])
+@pytest.mark.parametrize("r,c", [(32, 1), (96, 8), (320, 100), (1024, 1000), (4096, 4096),
+                                 (8192, 1280), (1280, 8192)])
+def test_kn_weight_has_the_split_paths_bits(m, r, c):
+    """W [r, c]: the reduction runs down its r rows, the output has its c columns."""
+    g = torch.Generator(device=DEV).manual_seed(m * 17 + r + 3 * c)
+    dy, w = rand(m, r, g=g, spread=True), rand(r, c, g=g, spread=True)
+    got, want = kn_paths(dy, w)
+    assert same_bits(got, want)
+    got, want = kn_paths(dy, w, rand(c, g=g))
+    assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("m,r,c", [(1, 64, 40), (5, 160, 72), (37, 96, 24), (64, 512, 300)])
+def test_kn_weight_matches_cpu_reference(m, r, c):
+    g = torch.Generator(device=DEV).manual_seed(m + r + c)
+    dy, w = rand(m, r, g=g, spread=True), rand(r, c, g=g, spread=True)
+    got, _ = kn_paths(dy, w)
+    assert same_bits(got.cpu(), reference.mm(dy.cpu(), w.cpu()))
+    wide = torch.empty(r, c + 24, device=DEV)[:, 8:c + 8].copy_(w)  # row pitch != c
+    got, _ = kn_paths(dy, wide)
+    assert same_bits(got.cpu(), reference.mm(dy.cpu(), w.cpu()))
+
+
+@pytest.mark.parametrize("m", [4, 9, 40])
+def test_kn_weight_special_values_match_the_split_path(m):
+    x, w = special_operands(m)  # W^T [256, 64]: the special rows of W are its columns
+    got, want = kn_paths(x, w.t().contiguous())
+    assert same_bits_nan(got.cpu(), want.cpu())
+
+
+def test_kn_guesses_follow_a_changing_weight_apart_from_its_fwd():
+    """dX's guessed scales are W's column scales, kept apart from the row scales its fwd
+    guesses (training alternates the two on one weight): fwd and dX in turn, W changed in
+    place between steps, every result the split path's bits, and each buffer ends holding
+    its own scales."""
+    from detgemm_cute import split
+
+    g = torch.Generator(device=DEV).manual_seed(91)
+    n, k, m = 608, 32 * 45, 8
+    x, w, dy = rand(m, k, g=g, spread=True), rand(n, k, g=g, spread=True), rand(m, n, g=g)
+    for step in range(4):
+        if step == 2:
+            _perturb(w, g)
+        got, want = kn_paths(dy, w)
+        assert same_bits_nan(got.cpu(), want.cpu()), step
+        assert same_bits_nan(fused_path(x, w).cpu(), split_path(x, w).cpu()), step
+    finite = torch.isfinite(w)
+    rows, cols = finite.all(dim=1), finite.all(dim=0)
+    held_rows = split_decode.guesses(w)[rows].view(F32)
+    assert torch.equal(held_rows, split.row_scales(w)[rows])
+    held_cols = split_decode.guesses(w.t().contiguous(), of=w)[cols].view(F32)
+    assert torch.equal(held_cols, split.row_scales(w.t())[cols])
+
+
+def test_kn_weight_under_cuda_graph_replays():
+    g = torch.Generator(device=DEV).manual_seed(78)
+    dy, w = rand(12, 2048, g=g, spread=True), rand(2048, 1000, g=g, spread=True)
+    out = torch.empty(12, 1000, device=DEV)
+    with split_decode.fused(True), split_decode.fused_kn(True):
+        out.copy_(dg.input_grad(dy, w))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(dg.input_grad(dy, w))
+    for replay in range(3):
+        if replay == 1:
+            w[:, 5] *= 8.0  # one column's scale moves
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _, want = kn_paths(dy, w)
+        assert same_bits(out, want), replay
+
+
+def test_autograd_backward_takes_the_kn_path(monkeypatch):
+    """nn.Linear at few rows: its backward's dX runs on W's K-major copy and gives the
+    split path's bits."""
+    g = torch.Generator(device=DEV).manual_seed(6)
+    lin = dg.nn.Linear(256, 96).to(DEV)
+    x = rand(8, 256, g=g).requires_grad_()
+    calls, real = [], split_decode.decode_gemm_kn
+    monkeypatch.setattr(split_decode, "decode_gemm_kn", lambda *a: calls.append(1) or real(*a))
+    lin(x).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    with split_decode.fused_kn(False):
+        lin(x).sum().backward()
+    assert len(calls) == 1 and same_bits(gx, x.grad)

@@ -37,6 +37,56 @@ def test_which_calls_take_the_fused_path(on_gpu):
         assert not split_decode.applies(x, w, None, "fwd")
 
 
+def test_which_kn_weights_take_the_fused_path(on_gpu, monkeypatch):
+    """`applies_kn`: a B given [K, N] with unit stride along N (dX's weight), K a multiple
+    of 32, no accumulation, fwd/dX, M within the fused path's rows."""
+    monkeypatch.setattr(split_decode.split, "_kernels_on", lambda: True)
+    dy, w = torch.randn(4, 256), torch.randn(256, 100)  # dX = dY [4, 256] @ W [256, 100]
+    assert split_decode.applies_kn(dy, w, None, "dx")
+    assert split_decode.applies_kn(dy, w, None, "fwd")  # mm(x, w [K, N])
+    assert not split_decode.applies_kn(dy, w, None, "dw")
+    assert not split_decode.applies_kn(dy, w, torch.zeros(4, 100), "dx")
+    assert split_decode.applies_kn(torch.randn(split_decode.MAX_M, 256), w, None, "dx")
+    assert not split_decode.applies_kn(torch.randn(split_decode.MAX_M + 1, 256), w, None, "dx")
+    assert not split_decode.applies_kn(torch.randn(4, 100), torch.randn(100, 8), None, "dx")
+    assert not split_decode.applies_kn(dy, w.t().contiguous().t(), None, "dx")  # K-contiguous
+    assert split_decode.applies_kn(dy, torch.randn(256, 300)[:, 100:200], None, "dx")
+    with split_decode.fused_kn(False):
+        assert not split_decode.applies_kn(dy, w, None, "dx")
+        assert split_decode.applies(dy, w.t().contiguous(), None, "dx")  # fused() apart
+    with split_decode.fused(False):
+        assert not split_decode.applies_kn(dy, w, None, "dx")
+    monkeypatch.setattr(split_decode.split, "_kernels_on", lambda: False)
+    assert not split_decode.applies_kn(dy, w, None, "dx")  # PyTorch's strided copy: no
+
+
+def test_kn_call_runs_on_a_k_major_copy_keyed_by_the_weight(monkeypatch):
+    """`decode_gemm_kn` hands `decode_gemm` W's K-major copy (PyTorch's where the transpose
+    kernel does not apply: here, CPU tensors) and W itself as the key of its guesses;
+    `_gemm_fp32` routes a "kn" call there when `applies` does not take it."""
+    from detgemm_cute import gemm
+
+    calls = []
+
+    def fake_decode(a, b_nk, bias, shape=None, guess_of=None):
+        calls.append((a, b_nk, bias, guess_of))
+        return torch.full((a.shape[0], b_nk.shape[0]), 2.5)
+
+    monkeypatch.setattr(split_decode, "decode_gemm", fake_decode)
+    dy, w = torch.randn(3, 64), torch.randn(64, 10)
+    split_decode.decode_gemm_kn(dy, w, None)
+    _, w_nk, _, of = calls[0]
+    assert of is w and w_nk.is_contiguous() and torch.equal(w_nk, w.t())
+    monkeypatch.setattr(split_decode, "applies", lambda a, b_nk, acc, op: False)
+    monkeypatch.setattr(split_decode, "applies_kn", lambda a, b_kn, acc, op: True)
+    y = gemm._gemm_fp32(dy, w, "kn", None, torch.float32, "dx", None, None)
+    assert calls[1][3] is w and torch.equal(y, torch.full((3, 10), 2.5))
+    monkeypatch.setattr(gemm.split, "scaled_operand_cuda", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # an "nk" call never takes the kn path
+        gemm._gemm_fp32(dy, w.t(), "nk", None, torch.float32, "fwd", None, None)
+    assert len(calls) == 2
+
+
 def test_old_gpus_keep_the_split_path(monkeypatch):
     monkeypatch.setattr(split_decode, "_capability", lambda device: (7, 5))
     assert not split_decode.applies(torch.randn(4, 256), torch.randn(100, 256), None, "fwd")
@@ -397,6 +447,18 @@ def test_guess_buffers_are_made_outside_capture_and_kept(fresh_guesses, monkeypa
     monkeypatch.setattr(split_decode, "GUESS_CAP_BYTES", split_decode._guess_bytes + 4 * 299)
     assert split_decode.guesses(torch.randn(300, 64)) is None  # over the cap
     assert split_decode.guesses(w) is buf  # held buffers still serve
+
+
+def test_kn_guesses_are_kept_apart_from_the_weights_row_guesses(fresh_guesses, monkeypatch):
+    """dX's column scales of W (`guesses(copy, of=W)`) and its fwd row scales
+    (`guesses(W)`) are two buffers; the copy's own address does not key them."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    w = torch.randn(300, 64)
+    rows = split_decode.guesses(w)
+    cols = split_decode.guesses(w.t().contiguous(), of=w)
+    assert rows.shape == (300,) and cols.shape == (64,) and cols is not rows
+    assert split_decode.guesses(w.t().contiguous(), of=w) is cols  # another copy
+    assert split_decode.guesses(w) is rows and len(fresh_guesses) == 2
 
 
 def test_a_call_without_a_guess_buffer_takes_the_two_pass_rules(fresh_guesses, monkeypatch):
