@@ -20,10 +20,11 @@ Per (M, K, N), in one interleaved CUDA-graph run (`time_units`, fresh random inp
 Bits: every detgemm unit against `split_path` on the first input set.
 
 With ``--op dx``, dX = dY [M, N] @ W [N, K] per weight (K -> N) instead (`measure_dx`):
-`detgemm_fp32` (`dg.input_grad`: the fused path on W's K-major copy,
-`split_decode.applies_kn`), `split_path` (W split in place down its columns, the chunked
-GEMM: what it replaces), `transpose` (the copy alone), `fused_on_copy` (the fused kernel
-on a held copy, guessed scales), `cublas_sgemm` (dY @ W, TF32 off) and `read_w`.
+`detgemm_fp32` (`dg.input_grad`: the fused path, `split_decode.applies_kn`, reading W's
+columns in place where `kn_in_place`), `split_path` (W split in place down its columns,
+the chunked GEMM), `via_copy` (the fused path on W's K-major copy), `transpose` (the copy
+alone), `cublas_sgemm` (dY @ W, TF32 off), `read_w`, and with ``--sweep kn`` the in-place
+kernel at each `KN_SWEEP` launch shape (`kn_*`).
 
     python bench/bench_fp32_decode.py --out $OUT
         [--op dx] [--sweep [cluster|stream|tile|inline|guess]]
@@ -213,31 +214,56 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     return row
 
 
-def measure_dx(m, k, n, l2, cap) -> dict:
+# (rows, group, stages, CTAs per SM) of the in-place [K, N] sweep (``--op dx --sweep kn``).
+KN_SWEEP = [(8, 2, 2, 2), (8, 2, 3, 2), (8, 1, 4, 2), (16, 1, 2, 1), (16, 1, 3, 1),
+            (16, 1, 4, 1), (16, 2, 2, 1), (8, 2, 4, 1)]
+
+
+def forced_kn(m, n, k, rows, group, stages, per_sm, sms):
+    """The in-place [K, N] kernel at one launch shape (X's form as `kn_shape` takes it), or
+    None where its shared memory does not fit `per_sm` CTAs."""
+    base = split_decode.kn_shape(m, n, k, sms)
+    smem = split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,
+                                   base.x_inline, True, True)
+    if smem > (split_decode.SMEM_LIMIT if per_sm == 1 else split_decode._SMEM_BYTES):
+        return None
+    shape = base._replace(rows=rows, group=group, stages=stages,
+                          ctas=min(-(-n // rows), per_sm * sms))
+    return lambda s: split_decode.decode_gemm_kn(s[0], s[1], None, False, shape)
+
+
+def measure_dx(m, k, n, sweep, l2, cap, sms) -> dict:
     """dX of the weight W [N, K] at M rows of dY (see the module docstring)."""
     sets = []
-    for _ in range(min(8, n_sets_for(4 * (m + 2 * k) * n, l2, PLAN))):
+    for _ in range(min(8, n_sets_for(4 * (m + k) * n, l2, PLAN))):
         dy, w = torch.randn(m, n, device="cuda"), torch.randn(n, k, device="cuda")
         split_decode.guesses(w.t(), of=w)  # as a call before capture would make it
-        sets.append((dy, w, w.t().contiguous()))
+        sets.append((dy, w))
     units = {"detgemm_fp32": lambda s: dg.input_grad(s[0], s[1]), "split_path": split_path_dx,
+             "via_copy": lambda s: split_decode.decode_gemm_kn(s[0], s[1], None, True),
              "transpose": lambda s: staging.transposed(s[1], n),
-             "fused_on_copy": lambda s: split_decode.decode_gemm(s[0], s[2], None,
-                                                                  guess_of=s[1]),
              "cublas_sgemm": lambda s: mm_tf32(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
+    if sweep == "kn" and m <= split_decode.MAX_M:
+        for shape in KN_SWEEP:
+            fn = forced_kn(m, k, n, *shape, sms)
+            if fn is not None:
+                units["kn_" + "_".join(map(str, shape))] = fn
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
     ref = split_path_dx(sets[0]).view(torch.int32)
-    same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref)
-            for nm in ("detgemm_fp32", "fused_on_copy")}
+    same = {nm: torch.equal(units[nm](sets[0]).view(torch.int32), ref) for nm in units
+            if nm not in ("split_path", "transpose", "cublas_sgemm", "read_w")}
     row = {"M": m, "K": k, "N": n, "fused": split_decode.applies_kn(sets[0][0], sets[0][1],
                                                                     None, "dx"),
+           "in_place": split_decode.kn_in_place(sets[0][1]),
+           "launch_shape": split_decode.kn_shape(m, k, n, sms),
            "us": us, "bits_equal_split_path": same,
            "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
     gpu.log(f"dx {m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}; "
-            f"transpose {us['transpose']}, on copy {us['fused_on_copy']}); sgemm "
-            f"{us['cublas_sgemm']}; read W {us['read_w']}; bits {same}")
+            f"via copy {us['via_copy']}, transpose {us['transpose']}); sgemm "
+            f"{us['cublas_sgemm']}; read W {us['read_w']}; bits {same}; "
+            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith("kn_")))
     del sets
     return row
 
@@ -259,30 +285,38 @@ def report_dx(rows, meta) -> list[str]:
     speed = [r["us"]["cublas_sgemm"] / r["us"]["detgemm_fp32"] for r in timed]
     before = [r["us"]["cublas_sgemm"] / r["us"]["split_path"] for r in timed]
     gain = [r["us"]["split_path"] / r["us"]["detgemm_fp32"] for r in timed]
+    copy = [r["us"]["via_copy"] / r["us"]["detgemm_fp32"] for r in timed
+            if r["us"].get("via_copy")]
     bits = all(all(r["bits_equal_split_path"].values()) for r in rows)
     lines = [f"# fp32 \"ieee\" dX at decode sizes ({meta['device']})", "",
              f"torch {torch.__version__}; CUDA-graph medians, us; one run. dX = dY [M, N] @ W "
-             "[N, K] for a weight K -> N. `detgemm fp32`: `dg.input_grad` (the fused path on "
-             "W's K-major copy where `applies_kn`); `split path`: W split in place down its "
-             "columns, then the chunked GEMM (what it replaces); `transpose`: the copy alone; "
-             "`on copy`: the fused kernel on a held copy; `read W`: one read of W.", "",
+             "[N, K] for a weight K -> N. `detgemm fp32`: `dg.input_grad` (the fused path "
+             "where `applies_kn`, reading W's columns in place where `kn_in_place`); `split "
+             "path`: W split in place down its columns, then the chunked GEMM; `via copy`: the "
+             "fused path on W's K-major copy; `transpose`: that copy alone; `read W`: one read "
+             "of W.", "",
              f"vs SGEMM (dY @ W, TF32 off): detgemm {geomean(speed) or 0:.2f}x (min "
              f"{min(speed) if speed else 0:.2f}x, {sum(v < 0.8 for v in speed)} below 0.8x), "
              f"the split path {geomean(before) or 0:.2f}x ({sum(v < 0.8 for v in before)} "
              f"below 0.8x) over {len(timed)} problems; detgemm {geomean(gain) or 0:.2f}x the "
-             f"split path's speed (min {min(gain) if gain else 0:.2f}x); bits equal the split "
-             f"path on every problem: {bits}.", "",
-             "| M | weight K -> N | fused | detgemm fp32 | split path | transpose | on copy "
-             "| SGEMM | read W | vs SGEMM | split path vs SGEMM |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"split path's speed (min {min(gain) if gain else 0:.2f}x), "
+             f"{geomean(copy) or 0:.2f}x via the copy's (min {min(copy) if copy else 0:.2f}x); "
+             f"bits equal the split path on every problem: {bits}.", "",
+             "| M | weight K -> N | fused | detgemm fp32 | split path | via copy | transpose "
+             "| SGEMM | read W | vs SGEMM | split path vs SGEMM | best forced |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
-        lines.append(f"| {r['M']} | {r['K']} -> {r['N']} | {'yes' if r['fused'] else 'no'} | "
+        forced_us = {nm: v for nm, v in us.items() if nm.startswith("kn_") and v}
+        best = min(forced_us, key=forced_us.get) if forced_us else None
+        fused = ("in place" if r.get("in_place") else "copy") if r["fused"] else "no"
+        lines.append(f"| {r['M']} | {r['K']} -> {r['N']} | {fused} | "
                      f"{f(us['detgemm_fp32'])} | {f(us['split_path'])} | "
-                     f"{f(us.get('transpose'))} | {f(us.get('fused_on_copy'))} | "
+                     f"{f(us.get('via_copy'))} | {f(us.get('transpose'))} | "
                      f"{f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
                      f"{_vs_sgemm(us, us['detgemm_fp32'])} | "
-                     f"{_vs_sgemm(us, us['split_path'])} |")
+                     f"{_vs_sgemm(us, us['split_path'])} | {best or '-'} "
+                     f"{f(forced_us.get(best))} |")
     return lines
 
 
@@ -348,7 +382,7 @@ def main() -> int:
     ap.add_argument("--op", choices=["fwd", "dx"], default="fwd",
                     help="dx: dY @ W per weight (`measure_dx`) instead of the forward")
     ap.add_argument("--sweep", nargs="?", const="all",
-                    choices=["all", "cluster", "stream", "tile", "inline", "guess"],
+                    choices=["all", "cluster", "stream", "tile", "inline", "guess", "kn"],
                     help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()
@@ -364,7 +398,7 @@ def main() -> int:
     slug = device_slug(meta["device"])
     if args.op == "dx":
         run_time_boxed([(k, n, m) for k, n in kns for m in ms],
-                       lambda p: measure_dx(p[2], p[0], p[1], l2, cap),
+                       lambda p: measure_dx(p[2], p[0], p[1], args.sweep, l2, cap, sms),
                        Path(args.out) / f"fp32-decode-dx_{slug}", meta, args.max_seconds,
                        report_dx)
         return 0

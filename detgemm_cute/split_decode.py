@@ -25,11 +25,14 @@ multiple of 32, the weight K-contiguous with 16-byte-aligned rows and base
 import) turns it off.
 
 A weight given [K, N] with N contiguous (`applies_kn`: dX's W [N_out, K_out] reduces down
-its columns; mm's [K, N] operand) takes it through a K-major copy (`staging.transposed`,
-one read and one write of W): the split path would read W for its column maxima, again for
-the split, write 1.5x its bytes as fp16 parts and read those back in a GEMM with few tiles.
-The copy's guessed scales are kept for the given weight itself (`guesses`' ``of``), apart
-from its fwd row scales.
+its columns; mm's [K, N] operand) takes it too, where the split path would read W for its
+column maxima, again for the split, write 1.5x its bytes as fp16 parts and read those back
+in a GEMM with few tiles. On sm_90, with N a multiple of 4 and 16-byte-aligned rows
+(`kn_in_place`), the streaming kernel reads W's columns in place (`SplitGemvFp32`'s
+`w_kn`, `kn_shape`), always at given scales: the weight's guesses, else its exact column
+scales taken first (`kn_plan`). Elsewhere it runs on a K-major copy of W
+(`staging.transposed`: one read and one write of W). Either way the guessed scales are
+kept for the given weight itself (`guesses`' ``of``), apart from its fwd row scales.
 
 The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
 and round, a persistent grid of two CTAs per SM at most, X staged as its parts or as fp32)
@@ -155,6 +158,13 @@ def applies_kn(a: torch.Tensor, b_kn: torch.Tensor, acc, op: str) -> bool:
     return capability >= (8, 0) and m <= max_m(capability)
 
 
+def kn_in_place(b_kn: torch.Tensor) -> bool:
+    """Whether a [K, N] weight of `applies_kn` is read in place (`SplitGemvFp32`'s `w_kn`:
+    sm_90, 16-byte vectors along N), not through its K-major copy."""
+    return (_capability(b_kn.device)[0] == 9 and b_kn.shape[1] % 4 == 0
+            and W_NEED.meets(b_kn))
+
+
 def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
                  n: int | None = None) -> str | None:
     """The line `detgemm-cute explain` adds where the fused path, not the bucket, serves an
@@ -177,7 +187,7 @@ def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
     if GUESS and not cluster:
         kernel += ", W's row scales guessed from its last call and checked"
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows), '
-            "or one given [K, N] (dX's weight: through its K-major copy, staging.transposed), "
+            "or one given [K, N] (dX's weight: its columns read in place, kn_in_place), "
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "
             f'"tf32", force_bucket or {ENV}=0 run the bucket')
@@ -218,12 +228,12 @@ class StreamShape(NamedTuple):
 
 
 def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False,
-               x_inline: bool = False, w_guess: bool = False) -> int:
-    """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows and of X (fp32 or
-    its parts), the chunk exchange, the row scales (X's too with `x_inline`), the row
-    maxima (W's per warp with `w_guess`)."""
+               x_inline: bool = False, w_guess: bool = False, w_kn: bool = False) -> int:
+    """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows (`w_kn`: of its
+    columns, padded) and of X (fp32 or its parts), the chunk exchange, the row scales (X's
+    too with `x_inline`), the row maxima (W's per warp with `w_guess`)."""
     slots = _WARPS * group
-    w = stages * rows * (slots * 32 + 16) * 4
+    w = stages * (slots * (32 * rows + 64) if w_kn else rows * (slots * 32 + 16)) * 4
     a = stages * m_rows * ((slots * 32 + 16) * 4 if x_fp32 else (slots * 96 + 16) * 2)
     scales = 2 * (max(8, rows) + (m_rows if x_inline else 0)) * 4
     tops = 4 * max(_WARPS * (m_rows if x_inline else 1),
@@ -292,6 +302,32 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM,
     blocks = -(-n // rows)
     return StreamShape(m_rows, rows, group, stages, min(blocks, per_sm * sms), x_fp32, False,
                        guess)
+
+
+@functools.lru_cache(maxsize=4096)
+def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape:
+    """The `StreamShape` of a [K, N] weight read in place (`kn_in_place`, sm_90): the
+    guessing shape of `launch_shape` (8 or 16 rows of W), with fewer stages where its
+    padded column stages no longer fit two CTAs per SM (or one), and then one CTA per SM;
+    but up to 8 rows of X, where 16-row blocks give every SM one, 16 rows of W, two chunks
+    per warp and round, 2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep
+    kn`, H200: 1.08-1.13x at N = 4096 and 1.02-1.06x at N = 8192; at N = 1024, 64 such
+    blocks, 0.80-0.85x)."""
+    shape = launch_shape(m, n, k, sms, SMEM_LIMIT, True)
+    if shape.m_rows <= 8 and -(-n // 16) >= sms:
+        shape = shape._replace(rows=16, group=2, stages=2, ctas=min(-(-n // 16), sms))
+
+    def size(stages):
+        return smem_bytes(shape.m_rows, shape.rows, shape.group, stages, shape.x_fp32,
+                          shape.x_inline, True, True)
+
+    limit = _SMEM_BYTES if shape.ctas > sms else SMEM_LIMIT
+    stages = shape.stages
+    while stages > 2 and size(stages) > limit:
+        stages -= 1
+    if size(stages) > limit:
+        shape = shape._replace(ctas=min(shape.ctas, sms))
+    return shape._replace(stages=stages)
 
 
 class TileShape(NamedTuple):
@@ -411,35 +447,55 @@ def default_shape(m: int, n: int, k: int, device: torch.device, guess: bool | No
     return tile or stream_shape(m, n, k, device, guess)
 
 
-def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """`decode_gemm` of a B given [K, N] (`applies_kn`): on its K-major copy, with the
-    guessed scales kept for `b_kn` itself."""
-    w = staging.transposed(b_kn, b_kn.shape[0])
-    return decode_gemm(a, b_kn.t().contiguous() if w is None else w, bias, guess_of=b_kn)
+def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None,
+                   via_copy: bool | None = None, shape: StreamShape | None = None):
+    """`decode_gemm` of a B given [K, N] (`applies_kn`): in place where `kn_in_place`, else
+    (or with `via_copy`) on its K-major copy, with the guessed scales kept for `b_kn`
+    itself. `shape` forces the in-place launch (benchmarks, tests)."""
+    if via_copy or (via_copy is None and not kn_in_place(b_kn)):
+        w = staging.transposed(b_kn, b_kn.shape[0])
+        return decode_gemm(a, b_kn.t().contiguous() if w is None else w, bias, guess_of=b_kn)
+    return decode_gemm(a, b_kn, bias, shape, kn=True)
+
+
+def kn_plan(m: int, n: int, k: int, b_kn: torch.Tensor, shape=None):
+    """(`kn_shape` or the forced `shape`, scale bits) of an in-place [K, N] call: the
+    weight's guesses (`guesses(..., of=b_kn)`), else its exact column scales, taken here
+    (every check then passes)."""
+    shape = shape or kn_shape(m, n, k, _sms(b_kn.device))
+    guess = guesses(b_kn.t(), of=b_kn)
+    if guess is None:
+        guess = split.row_scales(b_kn.t()).view(torch.int32)
+    return shape, guess
 
 
 def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                 shape: tuple[int, ...] | None = None,
-                guess_of: torch.Tensor | None = None) -> torch.Tensor:
+                guess_of: torch.Tensor | None = None, kn: bool = False) -> torch.Tensor:
     """fp32 [M, N] = the split path's unscaled result of a [M, K] @ b_nk [N, K]^T, plus
     bias in fp32 (not yet rounded to another output dtype). `shape` forces a kernel
     (benchmarks, tests): a `ClusterShape`, a `TileShape`, or a `StreamShape` (also as a plain
     tuple). `guess_of`: the tensor whose guess buffer b_nk's row scales take (`guesses`;
-    b_nk a copy of it)."""
+    b_nk a copy of it). With `kn`, b_nk is B given [K, N] and read in place (`kn_plan`)."""
     m, k = a.shape
-    n = b_nk.shape[0]
+    n = b_nk.shape[1] if kn else b_nk.shape[0]
     chunks = k // split.BLOCK_K
     y = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if n == 0:
         return y
-    shape, guess = plan(m, n, k, b_nk, shape, guess_of)
+    if kn:
+        shape, guess = kn_plan(m, n, k, b_nk, shape)
+    else:
+        shape, guess = plan(m, n, k, b_nk, shape, guess_of)
     inline = isinstance(shape, StreamShape) and shape.x_inline
     a2, sa = (a, None) if inline else split.scaled_operand_cuda(a, "a")
     if bias is not None:
         bias = needs.conform(bias.to(torch.float32), BIAS_NEED)
-    ld = b_nk.stride(0) if n > 1 else k
-    w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
+    if kn:
+        w = b_nk.as_strided((k, n // 4, 4), (b_nk.stride(0) if k > 1 else n, 4, 1))
+    else:
+        ld = b_nk.stride(0) if n > 1 else k
+        w = b_nk.as_strided((n, chunks, 2, 4, 4), (ld, 32, 16, 4, 1))
     parts = None if inline else a2.view(m, chunks, 3, 2, 4, 4)
     arch = split.helper_arch(a.device)
     # On the current device (`gemm.launch_on`).
@@ -452,7 +508,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
                                                                      arch))
         fn(w, parts, sa, y, bias)
         return y
-    w_bits = b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
+    w_bits = w if kn else b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     if isinstance(shape, TileShape):
         build = (*shape[:4], bias is not None, arch, guess is not None)
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
@@ -462,7 +518,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
             a = needs.conform(a, needs.SPLIT_ROWS)
             parts = a.as_strided((m, chunks, 8, 4), (a.stride(0) if m > 1 else k, 32, 4, 1))
         build = (shape.m_rows, shape.rows, shape.group, shape.stages, bias is not None, arch,
-                 shape.x_fp32, shape.x_inline, guess is not None)
+                 shape.x_fp32, shape.x_inline, guess is not None, kn)
         fn = split.compiled_once(("gemv", *build), lambda: compile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
     return y
@@ -514,17 +570,23 @@ def guesses(b_nk: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor 
     return buf
 
 
-def _fake_operands(has_bias: bool, x_fp32: bool = False, x_inline: bool = False):
-    """Fake W, W's int32 view, X's parts (`x_fp32`: X as [M, chunks, 8, 4]), X's scales, Y
-    and bias for `cute.compile`."""
+def _fake_operands(has_bias: bool, x_fp32: bool = False, x_inline: bool = False,
+                   w_kn: bool = False):
+    """Fake W (`w_kn`: [K, N / 4, 4], also standing for its unused int32 view), W's int32
+    view, X's parts (`x_fp32`: X as [M, chunks, 8, 4]), X's scales, Y and bias for
+    `cute.compile`."""
     import cutlass
     import cutlass.cute as cute
 
     n, m, chunks, quads = (cute.sym_int() for _ in range(4))
-    w = needs.fake(cutlass.Float32, (n, chunks, 2, 4, 4), W_NEED,
-                   strides=(W_NEED.strides[0], 32, 16, 4, needs.UNIT))
-    w_bits = needs.fake(cutlass.Int32, (n, quads, 4), W_NEED,
-                        strides=(W_NEED.strides[0], 4, needs.UNIT))
+    if w_kn:
+        w = w_bits = needs.fake(cutlass.Float32, (cute.sym_int(), cute.sym_int(), 4),
+                                W_NEED, strides=(W_NEED.strides[0], 4, needs.UNIT))
+    else:
+        w = needs.fake(cutlass.Float32, (n, chunks, 2, 4, 4), W_NEED,
+                       strides=(W_NEED.strides[0], 32, 16, 4, needs.UNIT))
+        w_bits = needs.fake(cutlass.Int32, (n, quads, 4), W_NEED,
+                            strides=(W_NEED.strides[0], 4, needs.UNIT))
     if x_fp32:
         parts = needs.fake(cutlass.Float32, (m, chunks, 8, 4), needs.SPLIT_ROWS,
                            strides=(needs.SPLIT_ROWS.strides[0], 32, 4, needs.UNIT))
@@ -548,16 +610,17 @@ def _compile(kernel, args, arch: str, extra_options: str):
 
 def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
                    arch: str, x_fp32: bool = False, x_inline: bool = False,
-                   w_guess: bool = False, extra_options: str = ""):
+                   w_guess: bool = False, w_kn: bool = False, extra_options: str = ""):
     """The compiled `SplitGemvFp32` for one launch shape (no GPU needed: fake tensors).
     `extra_options` passes DSL flags through (``--keep-ptx --dump-dir=D`` for audits)."""
     import cutlass
 
     from .kernels.split_gemv import SplitGemvFp32
 
-    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32, x_inline)
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, x_fp32, x_inline, w_kn)
     guess = needs.fake(cutlass.Int32, (y.shape[1],), GUESS_NEED) if w_guess else None
-    kernel = SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline, w_guess)
+    kernel = SplitGemvFp32(m_rows, rows, group, stages, has_bias, x_fp32, x_inline, w_guess,
+                           w_kn)
     return _compile(kernel, (w, w_bits, parts, scales, y, bias, guess, cutlass.Int32(1)), arch,
                     extra_options)
 
@@ -586,7 +649,8 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
                     (w, parts, scales, y, bias), arch, extra_options)
 
 
-__all__ = ["fused", "covers", "max_m", "applies", "explain_note", "decode_gemm",
+__all__ = ["fused", "fused_kn", "covers", "max_m", "applies", "applies_kn", "kn_in_place",
+           "kn_shape", "kn_plan", "decode_gemm_kn", "explain_note", "decode_gemm",
            "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
            "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "TILE_MIN_N_GUESS",
            "tile_min_n", "guesses", "plan", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES", "m_rows_for",

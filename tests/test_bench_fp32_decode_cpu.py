@@ -67,16 +67,30 @@ def test_report_renders(bd):
 
 
 def test_dx_report_renders(bd):
-    us = {"detgemm_fp32": 20.0, "split_path": 48.0, "transpose": 9.0, "fused_on_copy": 11.0,
-          "cublas_sgemm": 21.0, "read_w": 5.0}
-    rows = [{"M": 16, "K": 4096, "N": 1024, "fused": True, "us": us,
-             "bits_equal_split_path": {"detgemm_fp32": True, "fused_on_copy": True}},
+    us = {"detgemm_fp32": 20.0, "split_path": 48.0, "via_copy": 30.0, "transpose": 9.0,
+          "cublas_sgemm": 21.0, "read_w": 5.0, "kn_8_2_2_2": 19.5, "kn_16_1_2_1": None}
+    rows = [{"M": 16, "K": 4096, "N": 1024, "fused": True, "in_place": True, "us": us,
+             "bits_equal_split_path": {"detgemm_fp32": True, "via_copy": True}},
             {"M": 64, "K": 100, "N": 1000, "fused": False, "us": dict(us, transpose=None),
-             "bits_equal_split_path": {"detgemm_fp32": True, "fused_on_copy": False}}]
+             "bits_equal_split_path": {"detgemm_fp32": True, "via_copy": False}}]
     lines = bd.report_dx(rows, {"device": "TEST GPU"})
-    assert lines[-2] == ("| 16 | 4096 -> 1024 | yes | 20.0 | 48.0 | 9.0 | 11.0 | 21.0 | 5.0 | "
-                         "1.05 | 0.44 |")
-    assert lines[-1].startswith("| 64 | 100 -> 1000 | no | 20.0 | 48.0 | - |")
+    assert lines[-2] == ("| 16 | 4096 -> 1024 | in place | 20.0 | 48.0 | 30.0 | 9.0 | 21.0 | "
+                         "5.0 | 1.05 | 0.44 | kn_8_2_2_2 19.5 |")
+    assert lines[-1].startswith("| 64 | 100 -> 1000 | no | 20.0 | 48.0 | 30.0 | - |")
     head = "\n".join(lines[:6])
     assert "detgemm 1.05x (min 1.05x, 0 below 0.8x), the split path 0.44x (2 below" in head
-    assert "2.40x the split path's speed" in head and "every problem: False" in head
+    assert "2.40x the split path's speed" in head and "1.50x via the copy's" in head
+    assert "every problem: False" in head
+
+
+def test_kn_sweep_shapes_fit_or_are_skipped(bd):
+    from detgemm_cute import split_decode
+
+    for m in bd.DECODE_M:
+        base = split_decode.kn_shape(m, 4096, 4096, 132)
+        for rows, group, stages, per_sm in bd.KN_SWEEP:
+            fn = bd.forced_kn(m, 4096, 4096, rows, group, stages, per_sm, 132)
+            smem = split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,
+                                           base.x_inline, True, True)
+            cap = split_decode.SMEM_LIMIT if per_sm == 1 else split_decode._SMEM_BYTES
+            assert (fn is None) == (smem > cap)

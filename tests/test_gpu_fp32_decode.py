@@ -393,12 +393,18 @@ def test_autograd_forward_uses_it_and_backward_matches():
 
 
 def kn_paths(dy, w, bias=None):
-    """dX = dY @ W (or addmm with a bias) on the fused path through W's K-major copy, and
-    the same call on the split path (W split in place down its columns)."""
+    """dX = dY @ W (or addmm with a bias) on the fused path (W's columns read in place
+    where `kn_in_place`, else through W's K-major copy), and the same call on the split
+    path (W split in place down its columns). Where W is read in place, the copy's path
+    must give the same bits too."""
     with split_decode.fused(True), split_decode.fused_kn(True):
         assert split_decode.applies_kn(dy, w, None, "dx")
         poison()
         got = dg.input_grad(dy, w) if bias is None else dg.addmm(bias, dy, w)
+        if split_decode.kn_in_place(w):
+            poison()
+            assert same_bits_nan(split_decode.decode_gemm_kn(dy, w, bias, True).cpu(),
+                                 got.cpu())
     with split_decode.fused_kn(False):
         want = dg.input_grad(dy, w) if bias is None else dg.addmm(bias, dy, w)
     return got, want
@@ -433,6 +439,43 @@ def test_kn_weight_special_values_match_the_split_path(m):
     x, w = special_operands(m)  # W^T [256, 64]: the special rows of W are its columns
     got, want = kn_paths(x, w.t().contiguous())
     assert same_bits_nan(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 40, 64])
+def test_kn_in_place_every_launch_shape_same_bits(m):
+    """The in-place [K, N] kernel at every rows/group/stages/grid it takes (a partial last
+    block of 4 columns and a partial last round), X's form as `kn_shape` takes it."""
+    g = torch.Generator(device=DEV).manual_seed(500 + m)
+    k, n = 32 * 45, 604
+    dy, w = rand(m, k, g=g, spread=True), rand(k, n, g=g, spread=True)
+    with split_decode.fused_kn(False):
+        want = dg.input_grad(dy, w)
+    base, ran = split_decode.kn_shape(m, n, k, SMS), 0
+    for rows in (8, 16):
+        for group in (1, 2):
+            for stages in (2, 3):
+                if split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,
+                                           base.x_inline, True, True) > split_decode.SMEM_LIMIT:
+                    continue
+                for ctas in (7, 2 * SMS):
+                    shape = base._replace(rows=rows, group=group, stages=stages, ctas=ctas)
+                    poison()
+                    got = split_decode.decode_gemm_kn(dy, w, None, False, shape)
+                    assert same_bits(got, want), shape
+                    ran += 1
+    assert ran >= (16 if m <= 16 else 4)  # 33..64 rows of X: 2 stages of 1-chunk rounds fit
+
+
+def test_kn_without_a_guess_buffer_takes_exact_column_scales(monkeypatch):
+    """No guess buffer (a weight first seen under capture, the cap held): the column
+    scales are taken first and every check passes; special values included."""
+    monkeypatch.setattr(split_decode, "guesses", lambda b_nk, of=None: None)
+    x, w = special_operands(9)
+    got, want = kn_paths(x, w.t().contiguous())
+    assert same_bits_nan(got.cpu(), want.cpu())
+    g = torch.Generator(device=DEV).manual_seed(12)
+    got, want = kn_paths(rand(33, 512, g=g, spread=True), rand(512, 1000, g=g, spread=True))
+    assert same_bits(got, want)
 
 
 def test_kn_guesses_follow_a_changing_weight_apart_from_its_fwd():

@@ -73,6 +73,7 @@ def test_kn_call_runs_on_a_k_major_copy_keyed_by_the_weight(monkeypatch):
         return torch.full((a.shape[0], b_nk.shape[0]), 2.5)
 
     monkeypatch.setattr(split_decode, "decode_gemm", fake_decode)
+    monkeypatch.setattr(split_decode, "kn_in_place", lambda b_kn: False)
     dy, w = torch.randn(3, 64), torch.randn(64, 10)
     split_decode.decode_gemm_kn(dy, w, None)
     _, w_nk, _, of = calls[0]
@@ -85,6 +86,44 @@ def test_kn_call_runs_on_a_k_major_copy_keyed_by_the_weight(monkeypatch):
     with pytest.raises(ZeroDivisionError):  # an "nk" call never takes the kn path
         gemm._gemm_fp32(dy, w.t(), "nk", None, torch.float32, "fwd", None, None)
     assert len(calls) == 2
+
+
+def test_kn_weights_read_in_place_on_sm90(monkeypatch):
+    """`kn_in_place`: sm_90, N a multiple of 4, 16-byte-aligned rows; `decode_gemm_kn` then
+    hands W itself to `decode_gemm` (``kn=True``) unless told to copy."""
+    caps = [(9, 0)]
+    monkeypatch.setattr(split_decode, "_capability", lambda device: caps[0])
+    w = torch.randn(64, 12)
+    assert split_decode.kn_in_place(w)
+    assert not split_decode.kn_in_place(torch.randn(64, 10))  # N % 4
+    assert not split_decode.kn_in_place(torch.randn(64, 14)[:, 1:13])  # misaligned base
+    assert not split_decode.kn_in_place(torch.randn(64, 14)[:, :12])  # 56-byte row pitch
+    assert split_decode.kn_in_place(torch.randn(64, 16)[:, 4:16])
+    caps[0] = (8, 0)
+    assert not split_decode.kn_in_place(w)
+    caps[0] = (9, 0)
+    calls = []
+    monkeypatch.setattr(split_decode, "decode_gemm",
+                        lambda a, b, bias, shape=None, guess_of=None, kn=False:
+                        calls.append((b, kn, guess_of)))
+    dy = torch.randn(3, 64)
+    split_decode.decode_gemm_kn(dy, w, None)
+    split_decode.decode_gemm_kn(dy, w, None, via_copy=True)
+    assert calls[0] == (w, True, None) and calls[1][1] is False and calls[1][2] is w
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("n", [8, 1024, 4096, 14336])
+def test_kn_shape_fits_its_ctas(m, n):
+    """`kn_shape`: the guessing stream shape (8 or 16 rows of W) with its padded column
+    stages fitting the CTAs it puts on an SM."""
+    shape = split_decode.kn_shape(m, n, 4096, 132)
+    assert shape.w_guess and shape.rows in (8, 16) and shape.stages >= 2
+    smem = split_decode.smem_bytes(shape.m_rows, shape.rows, shape.group, shape.stages,
+                                   shape.x_fp32, shape.x_inline, True, True)
+    per_sm = 2 if shape.ctas > 132 else 1
+    assert smem * per_sm <= (2 * split_decode._SMEM_BYTES if per_sm == 2
+                             else split_decode.SMEM_LIMIT)
 
 
 def test_old_gpus_keep_the_split_path(monkeypatch):
@@ -191,6 +230,34 @@ def test_compiled_code(arch, shape, tmp_path):
     assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
     assert ("add.rn.f32" in ops) == shape[4]  # the bias add
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 2, False, True, True), (16, 16, 1, 4, True, True,
+                                                                    False),
+                                   (64, 16, 1, 2, False, True, False)])
+def test_kn_kernel_compiled_code(shape, tmp_path):
+    """`w_kn`: W's columns copied by 16-byte cp.async and read as single values (four per
+    fragment quad), no pass of 16-byte global loads over W (its scales come in), the
+    chain's m16n8k16 steps and split conversions, no FMA or atomics."""
+    from detgemm_cute.kernels.split_gemv import SplitGemvFp32
+
+    m_rows, rows, group, stages, bias, x_fp32, x_inline = shape
+    fn = split_decode.compile_kernel(m_rows, rows, group, stages, bias, "sm_90", x_fp32,
+                                     x_inline, w_guess=True, w_kn=True,
+                                     extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    ptx = open(ptx).read() if len(ptx) < 4096 else ptx
+    ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
+    assert "cp.async.cg.shared.global" in ops and "cvt.rn.f16x2.f32" in ops
+    assert ("ld.global.v4.b32" in ops) == x_inline  # X's maxima only
+    scalar = len(re.findall(r"^\s*ld\.shared\.b32", ptx, flags=re.M))
+    assert scalar >= 8 * max(8, rows) // 8 * group, scalar  # 2 x 4 values per n8 block
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+    for bad in [dict(w_guess=False), dict(w_guess=True, rows=4)]:
+        args = dict(m_rows=1, rows=8, group=2, stages=2, has_bias=False, w_kn=True) | bad
+        with pytest.raises(ValueError, match="w_kn only"):
+            SplitGemvFp32(**args)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -43,10 +43,19 @@ depend on their order: docs/reference.md), so a thread's four values of a block 
 consecutive K indices 4t..4t+3 (one 16-byte read of W, one 8-byte read of X's parts) placed
 in the fragment slots 2t, 2t+1, 2t+8, 2t+9 of both A and B: the same 16 products per block.
 
+With `w_kn` W is given [K, N] with N contiguous (dX's weight: its reduction runs down the
+columns), read in place: a round copies, per row of K, the block's `rows` columns (16-byte
+vectors, so N a multiple of 4) into shared memory as [slot][row of K][column], 8 floats of
+padding after every 4 rows of K, so that the four lanes t of a fragment read (rows 4t..4t+3
+of one column) fall in distinct banks; step 3 then reads a thread's four values one by one
+instead of as one vector. Only with `w_guess` (the scales come in: `mGuess`, checked as
+above; the caller passes exact column scales where it has no guess).
+
 Inputs: W fp32 [N, chunks, 2, 4, 4] and its int32 view [N, chunks * 8, 4] (rows 16-byte
-aligned, K a multiple of 32); X's parts fp16 [M, chunks, 3, 2, 4, 4] (side "a": -lo, -hi,
-hi per chunk), or with `x_fp32` X fp32 [M, chunks, 8, 4] (rows 16-byte aligned); X's row
-scales s_x fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
+aligned, K a multiple of 32; `w_kn`: W [K, N / 4, 4], the view unused); X's parts fp16
+[M, chunks, 3, 2, 4, 4] (side "a": -lo, -hi, hi per chunk), or with `x_fp32` X fp32
+[M, chunks, 8, 4] (rows 16-byte aligned); X's row scales s_x fp32 [M]; Y fp32 [M, N]
+(unit stride along N); bias fp32 [N].
 """
 
 from __future__ import annotations
@@ -75,14 +84,18 @@ class SplitGemvFp32:
     in registers (``x_fp32``) or as its parts. (`split_decode.launch_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                 x_fp32: bool = False, x_inline: bool = False, w_guess: bool = False):
+                 x_fp32: bool = False, x_inline: bool = False, w_guess: bool = False,
+                 w_kn: bool = False):
         if (m_rows not in (1, 2, 4, 8, 16, 32, 64) or rows not in (2, 4, 8, 16)
                 or group not in (1, 2, 4) or not 2 <= stages <= 6
-                or (x_inline and (not x_fp32 or m_rows > 16))):
+                or (x_inline and (not x_fp32 or m_rows > 16))
+                or (w_kn and (not w_guess or rows < 8))):
             raise ValueError(f"SplitGemvFp32: m_rows in (1, 2, 4, 8, 16, 32, 64), rows in "
                              f"(2, 4, 8, 16), group in (1, 2, 4), stages 2..6, x_inline only "
-                             f"with x_fp32 and m_rows <= 16; got {m_rows}, {rows}, {group}, "
-                             f"{stages}, {x_fp32}, {x_inline}")
+                             f"with x_fp32 and m_rows <= 16, w_kn only with w_guess and rows "
+                             f">= 8; got {m_rows}, {rows}, {group}, {stages}, {x_fp32}, "
+                             f"{x_inline}, {w_guess}, {w_kn}")
+        self.w_kn = w_kn  # W given [K, N] (N contiguous), read in place
         self.x_inline = x_inline  # X's row scales taken in the kernel (mSx unused)
         self.w_guess = w_guess  # W's scales from mGuess, checked after the block (no pass 1)
         self.m_rows, self.m_tiles = m_rows, -(-m_rows // 16)
@@ -95,6 +108,9 @@ class SplitGemvFp32:
         # banks: fp32 rows (W; X with x_fp32) by 16 values (lanes 4 rows apart alternate
         # bank halves), rows of X's parts by 16 fp16 (four rows' 8-byte reads fill 128 bytes).
         self.w_pitch = self.slots * 32 + 16
+        # w_kn: floats per 4 rows of K (their columns, then 8 of padding) and per chunk slot.
+        self.kn_pitch = 4 * rows + 8
+        self.kn_slot = 8 * self.kn_pitch
         self.a_pitch = self.w_pitch if x_fp32 else self.slots * 96 + 16
         # X's rows in shared memory: (values per 16-byte vector, vectors per chunk).
         self.a_vec = (4, 8) if x_fp32 else (8, 12)
@@ -112,7 +128,8 @@ class SplitGemvFp32:
                  mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
-        w_floats = self.stages * self.rows * self.w_pitch
+        w_floats = self.stages * (self.slots * self.kn_slot if self.w_kn
+                                  else self.rows * self.w_pitch)
         a_values = self.stages * self.m_rows * self.a_pitch
         a_dtype = cutlass.Float32 if self.x_fp32 else cutlass.Float16
         # With x_inline, X's scales and reciprocals follow W's, and the tops take one row
@@ -143,8 +160,12 @@ class SplitGemvFp32:
         ctas, _, _ = cute.arch.grid_dim()
         warp, lane = tidx // 32, tidx % 32
         bn, nb_n, stages = self.bn, self.n_blocks, self.stages
-        n_total = cute.size(mW, mode=[0])
-        chunks = cute.size(mW, mode=[1])
+        if cutlass.const_expr(self.w_kn):
+            n_total = cute.size(mW, mode=[1]) * 4
+            chunks = cute.size(mW, mode=[0]) // 32
+        else:
+            n_total = cute.size(mW, mode=[0])
+            chunks = cute.size(mW, mode=[1])
         m_total = cute.size(mA, mode=[0])
         rows = self.rows
         blocks = (n_total + rows - 1) // rows
@@ -156,6 +177,11 @@ class SplitGemvFp32:
         s_w = storage.w.get_tensor(cute.make_layout(
             (4, 8, self.slots, rows, stages),
             stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
+        if cutlass.const_expr(self.w_kn):  # [column][row of K][slot][stage], padded
+            s_w = storage.w.get_tensor(cute.make_layout(
+                ((4, rows // 4), (4, 8), self.slots, stages),
+                stride=((1, 4), (rows, self.kn_pitch), self.kn_slot,
+                        self.slots * self.kn_slot)))
         vec, vecs = self.a_vec
         s_a = storage.a.get_tensor(cute.make_layout(
             (vec, vecs, self.slots, self.m_rows, stages),
@@ -382,14 +408,25 @@ class SplitGemvFp32:
         """cp.async round r's W rows and X's rows (fp32 or parts; 16-byte vectors, threads
         in memory order) into `stage`; nothing past N, M or the last chunk (never read)."""
         c0 = r * self.slots
-        w_vecs = self.rows * self.slots * 8
-        for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
-            u = tidx + i * THREADS
-            v, rest = u % 8, u // 8
-            sl, row = rest % self.slots, rest // self.slots
-            if u < w_vecs and n0 + row < n_total and c0 + sl < chunks:
-                cute.copy(g2s_w, mW[(n0 + row, c0 + sl, v // 4, v % 4, None)],
-                          s_w[(None, v, sl, row, stage)])
+        if cutlass.const_expr(self.w_kn):  # per row of K, the block's columns in vectors
+            per_row = self.rows // 4
+            w_vecs = self.slots * 32 * per_row
+            for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
+                u = tidx + i * THREADS
+                v, rest = u % per_row, u // per_row
+                kr, sl = rest % 32, rest // 32
+                if u < w_vecs and n0 + 4 * v < n_total and c0 + sl < chunks:
+                    cute.copy(g2s_w, mW[((c0 + sl) * 32 + kr, n0 // 4 + v, None)],
+                              s_w[((None, v), kr, sl, stage)])
+        else:
+            w_vecs = self.rows * self.slots * 8
+            for i in cutlass.range_constexpr(-(-w_vecs // THREADS)):
+                u = tidx + i * THREADS
+                v, rest = u % 8, u // 8
+                sl, row = rest % self.slots, rest // self.slots
+                if u < w_vecs and n0 + row < n_total and c0 + sl < chunks:
+                    cute.copy(g2s_w, mW[(n0 + row, c0 + sl, v // 4, v % 4, None)],
+                              s_w[(None, v, sl, row, stage)])
         vecs = self.a_vec[1]
         a_vecs = self.m_rows * self.slots * vecs
         for i in cutlass.range_constexpr(-(-a_vecs // THREADS)):
@@ -485,7 +522,10 @@ class SplitGemvFp32:
         for nb in cutlass.range_constexpr(self.n_blocks):
             for j in cutlass.range_constexpr(2):
                 w = cute.make_rmem_tensor((4,), cutlass.Float32)
-                if cutlass.const_expr(self.rows >= 8):
+                if cutlass.const_expr(self.w_kn):  # rows 16j + 4t .. + 3 of K, one by one
+                    for v in cutlass.range_constexpr(4):
+                        w[v] = s_w[(nb * 8 + g, 16 * j + 4 * t + v, slot, stage)]
+                elif cutlass.const_expr(self.rows >= 8):
                     cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
                 else:  # rows past the block's are zeros (their outputs are not stored)
                     w.fill(0.0)

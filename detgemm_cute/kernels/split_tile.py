@@ -74,7 +74,7 @@ class SplitTileFp32(SplitGemvFp32):
         self.a_vec = (8, 12)
         self.warps_n = self.n_blocks
         self.wm = self.m_tiles // (WARPS // self.warps_n)  # m16 tiles per warp
-        self.w_guess = w_guess
+        self.w_guess, self.w_kn = w_guess, False  # W's rows along K (`_copy_round`)
         self.tops_len = WARPS * self.bn + 1 if w_guess else WARPS
 
     @cute.jit
