@@ -220,9 +220,9 @@ KN_SWEEP = [(8, 2, 2, 2), (8, 2, 3, 2), (8, 1, 4, 2), (16, 1, 2, 1), (16, 1, 3, 
 
 
 def forced_kn(m, n, k, rows, group, stages, per_sm, sms):
-    """The in-place [K, N] kernel at one launch shape (X's form as `kn_shape` takes it), or
-    None where its shared memory does not fit `per_sm` CTAs."""
-    base = split_decode.kn_shape(m, n, k, sms)
+    """The in-place [K, N] streaming kernel at one launch shape (X's form as its guessing
+    `launch_shape` takes it), or None where its shared memory does not fit `per_sm` CTAs."""
+    base = split_decode.launch_shape(m, n, k, sms, split_decode.SMEM_LIMIT, True)
     smem = split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,
                                    base.x_inline, True, True)
     if smem > (split_decode.SMEM_LIMIT if per_sm == 1 else split_decode._SMEM_BYTES):

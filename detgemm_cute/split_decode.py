@@ -305,14 +305,20 @@ def launch_shape(m: int, n: int, k: int, sms: int, smem_limit: int = SM80_SMEM,
 
 
 @functools.lru_cache(maxsize=4096)
-def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape:
-    """The `StreamShape` of a [K, N] weight read in place (`kn_in_place`, sm_90): the
-    guessing shape of `launch_shape` (8 or 16 rows of W), with fewer stages where its
-    padded column stages no longer fit two CTAs per SM (or one), and then one CTA per SM;
-    but up to 8 rows of X, where 16-row blocks give every SM one, 16 rows of W, two chunks
-    per warp and round, 2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep
-    kn`, H200: 1.08-1.13x at N = 4096 and 1.02-1.06x at N = 8192; at N = 1024, 64 such
-    blocks, 0.80-0.85x)."""
+def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape | TileShape:
+    """The launch of a [K, N] weight read in place (`kn_in_place`, sm_90):
+
+    - where `tile_shape` (guessing) gives a tile kernel, that one, as for a forward (its
+      padded column stages take less shared memory than its rows of W would);
+    - else the guessing shape of `launch_shape` (8 or 16 rows of W), but up to 8 rows of X,
+      where 16-row blocks give every SM one, 16 rows of W, two chunks per warp and round,
+      2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep kn`, H200: 1.08-1.13x
+      at N = 4096, 1.02-1.06x at N = 8192; at N = 1024, 64 such blocks, 0.80-0.85x); fewer
+      stages where the padded stages no longer fit two CTAs per SM (or one), and then one
+      CTA per SM."""
+    tile = tile_shape(m, n, sms, True)
+    if tile is not None:
+        return tile
     shape = launch_shape(m, n, k, sms, SMEM_LIMIT, True)
     if shape.m_rows <= 8 and -(-n // 16) >= sms:
         shape = shape._replace(rows=16, group=2, stages=2, ctas=min(-(-n // 16), sms))
@@ -342,10 +348,11 @@ class TileShape(NamedTuple):
 
 
 def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int,
-                    w_guess: bool = False) -> int:
-    """Shared memory of one CTA of `SplitTileFp32`: the stages of W rows and of X's parts,
-    the row scales (and with `w_guess` the row maxima per warp)."""
-    w = stages * rows * (group * 32 + 16) * 4
+                    w_guess: bool = False, w_kn: bool = False) -> int:
+    """Shared memory of one CTA of `SplitTileFp32`: the stages of W rows (`w_kn`: of its
+    columns, padded) and of X's parts, the row scales (and with `w_guess` the row maxima
+    per warp)."""
+    w = stages * (group * (32 * rows + 64) if w_kn else rows * (group * 32 + 16)) * 4
     a = stages * m_rows * (group * 96 + 16) * 2
     tops = 4 * (_WARPS * rows + 1) if w_guess else 0
     return w + a + 2 * rows * 4 + tops + 4 * 128
@@ -448,7 +455,8 @@ def default_shape(m: int, n: int, k: int, device: torch.device, guess: bool | No
 
 
 def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None,
-                   via_copy: bool | None = None, shape: StreamShape | None = None):
+                   via_copy: bool | None = None,
+                   shape: StreamShape | TileShape | None = None):
     """`decode_gemm` of a B given [K, N] (`applies_kn`): in place where `kn_in_place`, else
     (or with `via_copy`) on its K-major copy, with the guessed scales kept for `b_kn`
     itself. `shape` forces the in-place launch (benchmarks, tests)."""
@@ -510,7 +518,7 @@ def decode_gemm(a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None,
         return y
     w_bits = w if kn else b_nk.view(torch.int32).as_strided((n, chunks * 8, 4), (ld, 4, 1))
     if isinstance(shape, TileShape):
-        build = (*shape[:4], bias is not None, arch, guess is not None)
+        build = (*shape[:4], bias is not None, arch, guess is not None, kn)
         fn = split.compiled_once(("tile", *build), lambda: compile_tile_kernel(*build))
         fn(w, w_bits, parts, sa, y, bias, guess, shape.ctas)
     else:
@@ -626,15 +634,16 @@ def compile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bo
 
 
 def compile_tile_kernel(m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                        arch: str, w_guess: bool = False, extra_options: str = ""):
+                        arch: str, w_guess: bool = False, w_kn: bool = False,
+                        extra_options: str = ""):
     """The compiled `SplitTileFp32` for one launch shape (no GPU needed: fake tensors)."""
     import cutlass
 
     from .kernels.split_tile import SplitTileFp32
 
-    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias)
+    w, w_bits, parts, scales, y, bias = _fake_operands(has_bias, w_kn=w_kn)
     guess = needs.fake(cutlass.Int32, (y.shape[1],), GUESS_NEED) if w_guess else None
-    return _compile(SplitTileFp32(m_rows, rows, group, stages, has_bias, w_guess),
+    return _compile(SplitTileFp32(m_rows, rows, group, stages, has_bias, w_guess, w_kn),
                     (w, w_bits, parts, scales, y, bias, guess, cutlass.Int32(1)), arch,
                     extra_options)
 

@@ -87,7 +87,7 @@ def test_kn_sweep_shapes_fit_or_are_skipped(bd):
     from detgemm_cute import split_decode
 
     for m in bd.DECODE_M:
-        base = split_decode.kn_shape(m, 4096, 4096, 132)
+        base = split_decode.launch_shape(m, 4096, 4096, 132, split_decode.SMEM_LIMIT, True)
         for rows, group, stages, per_sm in bd.KN_SWEEP:
             fn = bd.forced_kn(m, 4096, 4096, rows, group, stages, per_sm, 132)
             smem = split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,

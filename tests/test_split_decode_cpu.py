@@ -115,9 +115,16 @@ def test_kn_weights_read_in_place_on_sm90(monkeypatch):
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("n", [8, 1024, 4096, 14336])
 def test_kn_shape_fits_its_ctas(m, n):
-    """`kn_shape`: the guessing stream shape (8 or 16 rows of W) with its padded column
+    """`kn_shape`: the guessing tile shape where a forward takes one (its padded stages
+    smaller), else the guessing stream shape (8 or 16 rows of W) with its padded column
     stages fitting the CTAs it puts on an SM."""
     shape = split_decode.kn_shape(m, n, 4096, 132)
+    tile = split_decode.tile_shape(m, n, 132, True)
+    if tile is not None:
+        assert shape == tile and shape.w_guess
+        kn_w = shape.stages * shape.group * (32 * shape.rows + 64) * 4
+        assert kn_w <= shape.stages * shape.rows * (shape.group * 32 + 16) * 4
+        return
     assert shape.w_guess and shape.rows in (8, 16) and shape.stages >= 2
     smem = split_decode.smem_bytes(shape.m_rows, shape.rows, shape.group, shape.stages,
                                    shape.x_fp32, shape.x_inline, True, True)
@@ -230,6 +237,25 @@ def test_compiled_code(arch, shape, tmp_path):
     assert "mul.rn.f32" in ops  # the unscale, as split.unscale rounds it
     assert ("add.rn.f32" in ops) == shape[4]  # the bias add
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+
+
+def test_kn_tile_kernel_compiled_code(tmp_path):
+    """`SplitTileFp32` with `w_kn`: W's columns by 16-byte cp.async, read as single values,
+    the chain in registers; `w_kn` needs `w_guess`."""
+    from detgemm_cute.kernels.split_tile import SplitTileFp32
+
+    fn = split_decode.compile_tile_kernel(64, 64, 2, 2, True, "sm_90", w_guess=True,
+                                          w_kn=True,
+                                          extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__ or ""
+    ptx = open(ptx).read() if len(ptx) < 4096 else ptx
+    ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
+    assert "cp.async.cg.shared.global" in ops and "ld.global.v4.b32" not in ops
+    assert len(re.findall(r"^\s*ld\.shared\.b32", ptx, flags=re.M)) >= 8 * 2
+    assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
+    with pytest.raises(ValueError, match="w_kn only"):
+        SplitTileFp32(64, 64, 2, 2, False, w_guess=False, w_kn=True)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 2, 2, False, True, True), (16, 16, 1, 4, True, True,

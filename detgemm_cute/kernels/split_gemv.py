@@ -160,12 +160,7 @@ class SplitGemvFp32:
         ctas, _, _ = cute.arch.grid_dim()
         warp, lane = tidx // 32, tidx % 32
         bn, nb_n, stages = self.bn, self.n_blocks, self.stages
-        if cutlass.const_expr(self.w_kn):
-            n_total = cute.size(mW, mode=[1]) * 4
-            chunks = cute.size(mW, mode=[0]) // 32
-        else:
-            n_total = cute.size(mW, mode=[0])
-            chunks = cute.size(mW, mode=[1])
+        n_total, chunks = self._w_extents(mW)
         m_total = cute.size(mA, mode=[0])
         rows = self.rows
         blocks = (n_total + rows - 1) // rows
@@ -237,6 +232,13 @@ class SplitGemvFp32:
                     self._store_unscaled(mY, mBias, m, n, acc[i], inv_x, s_inv, o % rows)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    def _w_extents(self, mW: cute.Tensor):
+        """(N, chunks of 32 values of K) of W as given: [N, chunks, ...] or, with `w_kn`,
+        [K, N / 4, 4]."""
+        if self.w_kn:
+            return cute.size(mW, mode=[1]) * 4, cute.size(mW, mode=[0]) // 32
+        return cute.size(mW, mode=[0]), cute.size(mW, mode=[1])
 
     @cute.jit
     def _rounds(self, copy, rounds, s_scale: cute.Tensor, row_scale: cute.Tensor,

@@ -32,8 +32,12 @@ block's W is split by warps_m warps and X's parts are read by warps_n. The layou
 stages, the fragment slots and the row scales are `SplitGemvFp32`'s with `group` chunk slots
 per round, so the 16 products of each 16-wide K block are the same ones.
 
+With `w_kn` (and `w_guess`) W is given [K, N] with N contiguous and read in place, as
+`SplitGemvFp32`'s `w_kn` reads it: per round and row of K the block's columns, staged
+[slot][row of K][column] with 8 floats of padding after every 4 rows of K.
+
 Inputs: W fp32 [N, chunks, 2, 4, 4] and its int32 view [N, chunks * 8, 4] (rows 16-byte
-aligned, K a multiple of 32); X's parts fp16 [M, chunks, 3, 2, 4, 4]; X's row scales s_x
+aligned, K a multiple of 32; `w_kn`: W [K, N / 4, 4], the view unused); X's parts fp16 [M, chunks, 3, 2, 4, 4]; X's row scales s_x
 fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
 """
 
@@ -58,12 +62,14 @@ class SplitTileFp32(SplitGemvFp32):
     cp.async ring (2..8), optional fp32 bias. (`split_decode.tile_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
-                 w_guess: bool = False):
+                 w_guess: bool = False, w_kn: bool = False):
         if (m_rows not in M_ROWS or rows not in ROWS or group not in (1, 2, 4, 8)
-                or not 2 <= stages <= 8 or (m_rows // 16) * (rows // 8) < WARPS):
+                or not 2 <= stages <= 8 or (m_rows // 16) * (rows // 8) < WARPS
+                or (w_kn and not w_guess)):
             raise ValueError(f"SplitTileFp32: m_rows in {M_ROWS}, rows in {ROWS} with "
                              f"m_rows / 16 * rows / 8 >= {WARPS}, group in (1, 2, 4, 8), "
-                             f"stages 2..8; got {m_rows}, {rows}, {group}, {stages}")
+                             f"stages 2..8, w_kn only with w_guess; got {m_rows}, {rows}, "
+                             f"{group}, {stages}, {w_guess}, {w_kn}")
         self.m_rows, self.m_tiles = m_rows, m_rows // 16
         self.rows, self.group, self.stages = rows, group, stages
         self.bn, self.n_blocks = rows, rows // 8
@@ -74,7 +80,9 @@ class SplitTileFp32(SplitGemvFp32):
         self.a_vec = (8, 12)
         self.warps_n = self.n_blocks
         self.wm = self.m_tiles // (WARPS // self.warps_n)  # m16 tiles per warp
-        self.w_guess, self.w_kn = w_guess, False  # W's rows along K (`_copy_round`)
+        self.w_guess, self.w_kn = w_guess, w_kn
+        self.kn_pitch = 4 * rows + 8  # w_kn: floats per 4 rows of K, and per chunk slot
+        self.kn_slot = 8 * self.kn_pitch
         self.tops_len = WARPS * self.bn + 1 if w_guess else WARPS
 
     @cute.jit
@@ -83,7 +91,8 @@ class SplitTileFp32(SplitGemvFp32):
                  mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
-        w_floats = self.stages * self.rows * self.w_pitch
+        w_floats = self.stages * (self.group * self.kn_slot if self.w_kn
+                                  else self.rows * self.w_pitch)
         a_values = self.stages * self.m_rows * self.a_pitch
 
         @cute.struct
@@ -110,8 +119,7 @@ class SplitTileFp32(SplitGemvFp32):
         nb = warp % self.warps_n  # this warp's n8 block of the CTA's rows of W
         mt0 = (warp // self.warps_n) * self.wm  # its first m16 tile of X
         grp, stages, rows = self.group, self.stages, self.rows
-        n_total = cute.size(mW, mode=[0])
-        chunks = cute.size(mW, mode=[1])
+        n_total, chunks = self._w_extents(mW)
         m_total = cute.size(mA, mode=[0])
         blocks = (n_total + rows - 1) // rows
         rounds = (chunks + grp - 1) // grp
@@ -122,6 +130,10 @@ class SplitTileFp32(SplitGemvFp32):
         s_w = storage.w.get_tensor(cute.make_layout(
             (4, 8, grp, rows, stages),
             stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
+        if cutlass.const_expr(self.w_kn):  # [column][row of K][slot][stage], padded
+            s_w = storage.w.get_tensor(cute.make_layout(
+                ((4, rows // 4), (4, 8), grp, stages),
+                stride=((1, 4), (rows, self.kn_pitch), self.kn_slot, grp * self.kn_slot)))
         s_a = storage.a.get_tensor(cute.make_layout(
             (8, 12, grp, self.m_rows, stages),
             stride=(1, 8, 96, self.a_pitch, self.m_rows * self.a_pitch)))
@@ -213,7 +225,11 @@ class SplitTileFp32(SplitGemvFp32):
         steps -hi j, -lo j, hi j (steps 2p + j take part p)."""
         for j in cutlass.range_constexpr(2):
             w = cute.make_rmem_tensor((4,), cutlass.Float32)
-            cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+            if cutlass.const_expr(self.w_kn):  # rows 16j + 4t .. + 3 of K, one by one
+                for v in cutlass.range_constexpr(4):
+                    w[v] = s_w[(nb * 8 + g, 16 * j + 4 * t + v, slot, stage)]
+            else:
+                cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
             if cutlass.const_expr(tops is not None):
                 bits = cute.recast_tensor(w, cutlass.Int32)
                 for v in cutlass.range_constexpr(4):
