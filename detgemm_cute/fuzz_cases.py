@@ -32,6 +32,10 @@ LAYOUTS = ("contig", "t", "offset", "wider")
 SPECIALS = ("none", "wide", "nan", "inf", "huge", "tiny", "subnormal", "zero", "mixed")
 _SPECIAL_WEIGHTS = (40, 20, 8, 6, 6, 4, 6, 4, 6)
 _EDGES = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
+# A dim drawn as a multiple of 32 this often: the widths of real layers, which reach the
+# aligned paths (the fp32 tier's fused kernels need K a multiple of 32, dX's in-place read
+# N a multiple of 4) that log-uniform sizes rarely draw.
+_ALIGNED_P = 0.2
 # NaN bit patterns put into inputs: quiet, negative, with payload, signalling.
 _NAN_BITS = {torch.float32: (0x7FC00000, -0x00400000, 0x7FC12345, 0x7F800001),
              torch.bfloat16: (0x7FC0, -0x0040, 0x7FC1, 0x7F81),
@@ -107,6 +111,8 @@ def _dim(rng, hi, zero=False) -> int:
         return 0
     if r < 0.35:
         return min(hi, rng.choice(_EDGES))
+    if r < 0.35 + _ALIGNED_P and hi >= 32:
+        return 32 * max(1, int(2 ** rng.uniform(0, math.log2(hi // 32 + 1))))
     return max(1, min(hi, int(2 ** rng.uniform(0, math.log2(hi)))))
 
 

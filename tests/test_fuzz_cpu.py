@@ -24,6 +24,17 @@ def test_the_reference_agrees_with_itself_under_layouts():
     assert s.problems >= 10 and s.per_op
 
 
+def test_dims_reach_multiples_of_32():
+    """About a fifth of the dims (edges and sizes aside) are multiples of 32, within the
+    bound: the aligned paths of real layer widths get drawn."""
+    rng = random.Random(3)
+    dims = [fc._dim(rng, 4096) for _ in range(4000)]
+    aligned = sum(d % 32 == 0 for d in dims) / len(dims)
+    assert 0.2 <= aligned <= 0.4, aligned
+    assert all(1 <= d <= 4096 for d in dims)
+    assert all(fc._dim(rng, 40) <= 40 for _ in range(500))
+
+
 def test_cases_are_reproducible_from_the_seed_and_their_repr():
     rng_a, rng_b = random.Random(7), random.Random(7)
     a = [fc.draw(rng_a) for _ in range(60)]
