@@ -75,7 +75,8 @@ PLAN = TimingPlan(target_ms=0.5, reps=7, min_reps=3, budget_ms=20.0, warm_rounds
                   warm_replays=1, est_min_ms=0.3)
 
 
-FORCED = ("fused_", "cluster", "stream", "tile", "inline", "guess_")  # units that force one kernel and shape
+# Units that force one kernel and shape.
+FORCED = ("fused_", "cluster", "stream", "tile", "inline", "guess_")
 
 
 def split_path(s):
@@ -362,7 +363,8 @@ def report(rows, meta) -> list[str]:
                      f"{f(us.get('stream_cold'))} | {f(us.get('cluster'))} | "
                      f"{f(us['split_path'])} | {f(us['cublas_sgemm'])} | {f(us['read_w'])} | "
                      f"{_vs_sgemm(us, us['detgemm_fp32'])} | "
-                     f"{_vs_sgemm(us, us['split_path'])} | {best or '-'} {f(forced_us.get(best))} |")
+                     f"{_vs_sgemm(us, us['split_path'])} | {best or '-'} "
+                     f"{f(forced_us.get(best))} |")
     return lines
 
 

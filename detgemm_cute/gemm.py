@@ -457,9 +457,9 @@ def _gemm_fp32(a, b, b_form, bias, out_dtype, op, acc, out):
     operands into fp16 parts, one chunked GEMM into a scaled fp32 accumulator, then unscale,
     bias and the one rounding (`split.finish`: one kernel); with few rows
     (`split_decode.applies`) W's split runs inside the GEMM instead, with the same bits (a
-    B given N-major, "kn": through its K-major copy, `applies_kn`). Otherwise a B given
-    N-major (dX's weight, mm's [K, N]) is split in place into N-major parts
-    (`split.scaled_columns_cuda`), not copied K-major.
+    B given N-major, "kn": read in place or through its K-major copy, `applies_kn`).
+    Otherwise a B given N-major (dX's weight, mm's [K, N]) is split in place into N-major
+    parts (`split.scaled_columns_cuda`), not copied K-major.
     dW: exact bf16 parts, no scales, the chunked GEMM continuing `acc`. (Precision "tf32"
     runs the TF32 kernels through the plain path.)"""
     b_nk = b if b_form == "nk" else b.t()

@@ -30,9 +30,10 @@ column maxima, again for the split, write 1.5x its bytes as fp16 parts and read 
 in a GEMM with few tiles. On sm_90, with N a multiple of 4 and 16-byte-aligned rows
 (`kn_in_place`), the streaming kernel reads W's columns in place (`SplitGemvFp32`'s
 `w_kn`, `kn_shape`), always at given scales: the weight's guesses, else its exact column
-scales taken first (`kn_plan`). Elsewhere it runs on a K-major copy of W
-(`staging.transposed`: one read and one write of W). Either way the guessed scales are
-kept for the given weight itself (`guesses`' ``of``), apart from its fwd row scales.
+scales taken first (`kn_plan`). Elsewhere, up to `KN_COPY_MAX_M` rows of X, it runs on a
+K-major copy of W (`staging.transposed`: one read and one write of W). Either way the
+guessed scales are kept for the given weight itself (`guesses`' ``of``), apart from its
+fwd row scales.
 
 The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
 and round, a persistent grid of two CTAs per SM at most, X staged as its parts or as fp32)
@@ -58,6 +59,10 @@ X_INLINE_M = 4  # rows of X (m_rows) up to which the kernel takes X's row scales
 ENV = "DETGEMM_CUTE_FP32_DECODE"
 _ON = env_flag(ENV, True)
 _KN_ON = True  # `applies_kn` (`fused_kn` turns it off: benchmarks and tests compare)
+# Rows of X up to which a [K, N] weight not read in place takes its K-major copy: above, the
+# copy lost to the split path on 5 of 12 weights at M = 64 (0.89-0.996x; 1.31x geomean at
+# M = 32, min 1.09x: bench/results/fp32-decode-dx_nvidia-h200.md and its first run in git).
+KN_COPY_MAX_M = 32
 CTAS_PER_SM = 2
 # The streaming kernel guesses W's row scales (the weight's scales from its last call on the
 # stream, kept in `guesses`' buffers) instead of taking the row maxima before the block, and
@@ -148,14 +153,17 @@ def applies(a: torch.Tensor, b_nk: torch.Tensor, acc, op: str) -> bool:
 
 def applies_kn(a: torch.Tensor, b_kn: torch.Tensor, acc, op: str) -> bool:
     """Whether this fp32 "ieee" call, its B given [K, N] with unit stride along N (dX's
-    weight, mm's [K, N] operand), runs on the fused kernel through B's K-major copy
-    (`decode_gemm_kn`)."""
+    weight, mm's [K, N] operand), runs on the fused kernels (`decode_gemm_kn`): B read in
+    place where `kn_in_place`, else through its K-major copy up to `KN_COPY_MAX_M` rows of
+    X (the transpose kernel on)."""
     m, k = a.shape
-    if not (_ON and _KN_ON and acc is None and covers(op, m, k)
-            and needs.TRANSPOSE_SRC.meets(b_kn) and split._kernels_on()):
+    if not (_ON and _KN_ON and acc is None and covers(op, m, k)):
         return False
     capability = _capability(a.device)
-    return capability >= (8, 0) and m <= max_m(capability)
+    if capability < (8, 0) or m > max_m(capability):
+        return False
+    return kn_in_place(b_kn) or (m <= KN_COPY_MAX_M and needs.TRANSPOSE_SRC.meets(b_kn)
+                                 and split._kernels_on())
 
 
 def kn_in_place(b_kn: torch.Tensor) -> bool:
@@ -187,7 +195,8 @@ def explain_note(op: str, dtype: str, m: int, k: int, arch: str = "sm90",
     if GUESS and not cluster:
         kernel += ", W's row scales guessed from its last call and checked"
     return ('  fused:   at precision "ieee" with a K-contiguous weight (16-byte-aligned rows), '
-            "or one given [K, N] (dX's weight: its columns read in place, kn_in_place), "
+            "or one given [K, N] (dX's weight: its columns read in place on sm_90, "
+            "kn_in_place, else a K-major copy up to KN_COPY_MAX_M rows), "
             f"this call runs split_decode's kernel (W split inside the GEMM, {kernel}; "
             "the same bits), not the bucket above; precision "
             f'"tf32", force_bucket or {ENV}=0 run the bucket')
@@ -312,8 +321,9 @@ def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape | TileShape:
       padded column stages take less shared memory than its rows of W would);
     - else the guessing shape of `launch_shape` (8 or 16 rows of W), but up to 8 rows of X,
       where 16-row blocks give every SM one, 16 rows of W, two chunks per warp and round,
-      2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep kn`, H200: 1.08-1.13x
-      at N = 4096, 1.02-1.06x at N = 8192; at N = 1024, 64 such blocks, 0.80-0.85x); fewer
+      2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep kn`, H200, N the
+      output's width: 1.08-1.13x at N = 4096, 1.02-1.06x at N = 8192; at N = 1024, 64 such
+      blocks, 0.80-0.85x); fewer
       stages where the padded stages no longer fit two CTAs per SM (or one), and then one
       CTA per SM."""
     tile = tile_shape(m, n, sms, True)
@@ -459,19 +469,25 @@ def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | Non
                    shape: StreamShape | TileShape | None = None):
     """`decode_gemm` of a B given [K, N] (`applies_kn`): in place where `kn_in_place`, else
     (or with `via_copy`) on its K-major copy, with the guessed scales kept for `b_kn`
-    itself. `shape` forces the in-place launch (benchmarks, tests)."""
+    itself. `shape` forces the in-place launch (benchmarks, tests: a `StreamShape` or a
+    `TileShape`)."""
     if via_copy or (via_copy is None and not kn_in_place(b_kn)):
         w = staging.transposed(b_kn, b_kn.shape[0])
         return decode_gemm(a, b_kn.t().contiguous() if w is None else w, bias, guess_of=b_kn)
+    if not kn_in_place(b_kn) or not isinstance(shape, (StreamShape, TileShape, type(None))):
+        raise ValueError(f"decode_gemm_kn: an in-place read needs kn_in_place(b_kn) (sm_90, N "
+                         f"a multiple of 4, 16-byte-aligned rows) and a StreamShape or "
+                         f"TileShape; got b_kn {tuple(b_kn.shape)} strides {b_kn.stride()}, "
+                         f"shape {shape!r}")
     return decode_gemm(a, b_kn, bias, shape, kn=True)
 
 
 def kn_plan(m: int, n: int, k: int, b_kn: torch.Tensor, shape=None):
     """(`kn_shape` or the forced `shape`, scale bits) of an in-place [K, N] call: the
-    weight's guesses (`guesses(..., of=b_kn)`), else its exact column scales, taken here
-    (every check then passes)."""
+    weight's guesses (`guesses(..., of=b_kn)`), else (no buffer, or ``GUESS`` off) its
+    exact column scales, taken here (every check then passes)."""
     shape = shape or kn_shape(m, n, k, _sms(b_kn.device))
-    guess = guesses(b_kn.t(), of=b_kn)
+    guess = guesses(b_kn.t(), of=b_kn) if GUESS else None
     if guess is None:
         guess = split.row_scales(b_kn.t()).view(torch.int32)
     return shape, guess
@@ -560,9 +576,9 @@ def guesses(b_nk: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor 
     weight's address, shape and row pitch: a new tensor at an old address inherits guesses,
     which costs at most a second pass over a block, never a bit. Kernels on several streams
     may read and write one buffer at once: each checks what it reads. With `of` (b_nk a
-    K-major copy of it, `decode_gemm_kn`) the buffer is keyed by `of`, apart from the
-    buffer of the same tensor read as [N, K] (dX's weight keeps its column scales, its fwd
-    its row scales)."""
+    K-major copy or view of it, `decode_gemm_kn`) the buffer is keyed by `of`, apart from
+    the buffer of the same tensor read as [N, K] (dX's weight keeps its column scales, its
+    fwd its row scales)."""
     global _guess_bytes
     src = b_nk if of is None else of
     key = (src.data_ptr(), *src.shape, src.stride(0), src.device.index, of is not None)
@@ -659,10 +675,12 @@ def compile_cluster_kernel(m_rows: int, cluster: int, cap: int, groups: int, has
 
 
 __all__ = ["fused", "fused_kn", "covers", "max_m", "applies", "applies_kn", "kn_in_place",
-           "kn_shape", "kn_plan", "decode_gemm_kn", "explain_note", "decode_gemm",
+           "kn_shape", "kn_plan", "decode_gemm_kn", "KN_COPY_MAX_M", "explain_note",
+           "decode_gemm",
            "launch_shape", "stream_shape", "StreamShape", "cluster_shape", "ClusterShape",
            "uses_cluster", "default_shape", "tile_shape", "TILE_MIN_N", "TILE_MIN_N_GUESS",
-           "tile_min_n", "guesses", "plan", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES", "m_rows_for",
+           "tile_min_n", "guesses", "plan", "GUESS", "GUESS_SHAPES", "GUESS_CAP_BYTES",
+           "m_rows_for",
            "smem_bytes", "cluster_smem_bytes",
            "compile_kernel", "compile_cluster_kernel", "compile_tile_kernel", "TileShape",
            "tile_smem_bytes", "MAX_M", "SM80_MAX_M", "X_FP32_M", "X_INLINE_M",

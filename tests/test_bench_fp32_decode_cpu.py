@@ -83,14 +83,21 @@ def test_dx_report_renders(bd):
     assert "every problem: False" in head
 
 
-def test_kn_sweep_shapes_fit_or_are_skipped(bd):
+def test_kn_sweep_forces_the_shape_it_names(bd, monkeypatch):
+    """A `kn_*` unit runs the in-place kernel at its rows, chunks per round and stages, on
+    a persistent grid of per_sm CTAs per SM (the blocks where fewer), X's form the guessing
+    launch's; shapes whose shared memory exceeds per_sm CTAs are left out."""
     from detgemm_cute import split_decode
 
-    for m in bd.DECODE_M:
-        base = split_decode.launch_shape(m, 4096, 4096, 132, split_decode.SMEM_LIMIT, True)
-        for rows, group, stages, per_sm in bd.KN_SWEEP:
-            fn = bd.forced_kn(m, 4096, 4096, rows, group, stages, per_sm, 132)
-            smem = split_decode.smem_bytes(base.m_rows, rows, group, stages, base.x_fp32,
-                                           base.x_inline, True, True)
-            cap = split_decode.SMEM_LIMIT if per_sm == 1 else split_decode._SMEM_BYTES
-            assert (fn is None) == (smem > cap)
+    seen = []
+    monkeypatch.setattr(split_decode, "decode_gemm_kn", lambda *a: seen.append(a[4]))
+    s = (None, None)
+    bd.forced_kn(1, 4096, 4096, 16, 2, 2, 1, 132)(s)
+    bd.forced_kn(8, 1024, 4096, 8, 2, 2, 2, 132)(s)
+    one, two = seen
+    assert (one.rows, one.group, one.stages, one.ctas) == (16, 2, 2, 132)
+    assert one.w_guess and one.x_fp32 and one.x_inline and one.m_rows == 1
+    assert (two.rows, two.group, two.stages, two.ctas) == (8, 2, 2, 128)
+    assert two.x_fp32 and not two.x_inline and two.m_rows == 8
+    assert bd.forced_kn(64, 4096, 4096, 16, 1, 4, 1, 132) is None  # 64 rows of X, 4 stages
+    assert bd.forced_kn(8, 4096, 4096, 8, 2, 3, 2, 132) is None  # two such CTAs per SM

@@ -39,9 +39,12 @@ def test_which_calls_take_the_fused_path(on_gpu):
 
 def test_which_kn_weights_take_the_fused_path(on_gpu, monkeypatch):
     """`applies_kn`: a B given [K, N] with unit stride along N (dX's weight), K a multiple
-    of 32, no accumulation, fwd/dX, M within the fused path's rows."""
+    of 32, no accumulation, fwd/dX, M within the fused path's rows; read in place where
+    `kn_in_place`, else through the transpose kernel's copy up to `KN_COPY_MAX_M` rows."""
     monkeypatch.setattr(split_decode.split, "_kernels_on", lambda: True)
     dy, w = torch.randn(4, 256), torch.randn(256, 100)  # dX = dY [4, 256] @ W [256, 100]
+    odd = torch.randn(256, 10)  # N not a multiple of 4: the copy
+    assert split_decode.kn_in_place(w) and not split_decode.kn_in_place(odd)
     assert split_decode.applies_kn(dy, w, None, "dx")
     assert split_decode.applies_kn(dy, w, None, "fwd")  # mm(x, w [K, N])
     assert not split_decode.applies_kn(dy, w, None, "dw")
@@ -51,13 +54,17 @@ def test_which_kn_weights_take_the_fused_path(on_gpu, monkeypatch):
     assert not split_decode.applies_kn(torch.randn(4, 100), torch.randn(100, 8), None, "dx")
     assert not split_decode.applies_kn(dy, w.t().contiguous().t(), None, "dx")  # K-contiguous
     assert split_decode.applies_kn(dy, torch.randn(256, 300)[:, 100:200], None, "dx")
+    copy_m = split_decode.KN_COPY_MAX_M
+    assert split_decode.applies_kn(torch.randn(copy_m, 256), odd, None, "dx")
+    assert not split_decode.applies_kn(torch.randn(copy_m + 1, 256), odd, None, "dx")
     with split_decode.fused_kn(False):
         assert not split_decode.applies_kn(dy, w, None, "dx")
         assert split_decode.applies(dy, w.t().contiguous(), None, "dx")  # fused() apart
     with split_decode.fused(False):
         assert not split_decode.applies_kn(dy, w, None, "dx")
     monkeypatch.setattr(split_decode.split, "_kernels_on", lambda: False)
-    assert not split_decode.applies_kn(dy, w, None, "dx")  # PyTorch's strided copy: no
+    assert not split_decode.applies_kn(dy, odd, None, "dx")  # PyTorch's strided copy: no
+    assert split_decode.applies_kn(dy, w, None, "dx")  # the in-place read needs no copy
 
 
 def test_kn_call_runs_on_a_k_major_copy_keyed_by_the_weight(monkeypatch):
@@ -110,6 +117,28 @@ def test_kn_weights_read_in_place_on_sm90(monkeypatch):
     split_decode.decode_gemm_kn(dy, w, None)
     split_decode.decode_gemm_kn(dy, w, None, via_copy=True)
     assert calls[0] == (w, True, None) and calls[1][1] is False and calls[1][2] is w
+    with pytest.raises(ValueError, match="kn_in_place"):  # forced in place where it cannot
+        split_decode.decode_gemm_kn(dy, torch.randn(64, 10), None, via_copy=False)
+    with pytest.raises(ValueError, match="StreamShape or"):
+        split_decode.decode_gemm_kn(dy, w, None, False, split_decode.ClusterShape(1, 2, 8, 2))
+    assert len(calls) == 2
+
+
+def test_kn_plan_takes_exact_scales_without_guessing(monkeypatch):
+    """`kn_plan`: the weight's guess buffer, else (none, or guessing off) exact column
+    scales: `split.row_scales` of the transposed view, as int32 bits."""
+    monkeypatch.setattr(split_decode, "_sms", lambda device: 132)
+    w = torch.randn(64, 12) * torch.exp2(torch.randint(-9, 9, (64, 12)).float())
+    exact = split_decode.split.row_scales(w.t()).view(torch.int32)
+    buf = torch.zeros(12, dtype=torch.int32)
+    monkeypatch.setattr(split_decode, "guesses", lambda b_nk, of=None: buf)
+    shape, got = split_decode.kn_plan(3, 12, 64, w)
+    assert got is buf and shape == split_decode.kn_shape(3, 12, 64, 132)
+    monkeypatch.setattr(split_decode, "GUESS", False)
+    assert torch.equal(split_decode.kn_plan(3, 12, 64, w)[1], exact)
+    monkeypatch.setattr(split_decode, "GUESS", True)
+    monkeypatch.setattr(split_decode, "guesses", lambda b_nk, of=None: None)
+    assert torch.equal(split_decode.kn_plan(3, 12, 64, w)[1], exact)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 33, 64])
@@ -244,15 +273,23 @@ def test_kn_tile_kernel_compiled_code(tmp_path):
     the chain in registers; `w_kn` needs `w_guess`."""
     from detgemm_cute.kernels.split_tile import SplitTileFp32
 
-    fn = split_decode.compile_tile_kernel(64, 64, 2, 2, True, "sm_90", w_guess=True,
-                                          w_kn=True,
-                                          extra_options=f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.__ptx__ or ""
-    ptx = open(ptx).read() if len(ptx) < 4096 else ptx
+    def ptx_of(w_kn):
+        fn = split_decode.compile_tile_kernel(64, 64, 2, 2, True, "sm_90", w_guess=True,
+                                              w_kn=w_kn,
+                                              extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+        ptx = fn.__ptx__ or ""
+        return open(ptx).read() if len(ptx) < 4096 else ptx
+
+    def count(op, text):
+        return len(re.findall(rf"^\s*{re.escape(op)}\s", text, flags=re.M))
+
+    ptx, rows_ptx = ptx_of(True), ptx_of(False)
     ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
     assert "cp.async.cg.shared.global" in ops and "ld.global.v4.b32" not in ops
-    assert len(re.findall(r"^\s*ld\.shared\.b32", ptx, flags=re.M)) >= 8 * 2
+    # Per chunk (2 a round) the warp's n8 block: 2 x 4 single loads for 2 vector loads.
+    assert count("ld.shared.b32", ptx) - count("ld.shared.b32", rows_ptx) >= 4 * 2 * 2
+    assert count("ld.shared.v4.b32", rows_ptx) - count("ld.shared.v4.b32", ptx) >= 2 * 2
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
     with pytest.raises(ValueError, match="w_kn only"):
         SplitTileFp32(64, 64, 2, 2, False, w_guess=False, w_kn=True)
@@ -268,17 +305,28 @@ def test_kn_kernel_compiled_code(shape, tmp_path):
     from detgemm_cute.kernels.split_gemv import SplitGemvFp32
 
     m_rows, rows, group, stages, bias, x_fp32, x_inline = shape
-    fn = split_decode.compile_kernel(m_rows, rows, group, stages, bias, "sm_90", x_fp32,
-                                     x_inline, w_guess=True, w_kn=True,
-                                     extra_options=f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.__ptx__ or ""
-    ptx = open(ptx).read() if len(ptx) < 4096 else ptx
+
+    def ptx_of(w_kn):
+        fn = split_decode.compile_kernel(m_rows, rows, group, stages, bias, "sm_90", x_fp32,
+                                         x_inline, w_guess=True, w_kn=w_kn,
+                                         extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+        ptx = fn.__ptx__ or ""
+        return open(ptx).read() if len(ptx) < 4096 else ptx
+
+    ptx, rows_ptx = ptx_of(True), ptx_of(False)
     ops = set(re.findall(r"^\s*([a-z][\w.]*)", ptx, flags=re.M))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ops
     assert "cp.async.cg.shared.global" in ops and "cvt.rn.f16x2.f32" in ops
     assert ("ld.global.v4.b32" in ops) == x_inline  # X's maxima only
-    scalar = len(re.findall(r"^\s*ld\.shared\.b32", ptx, flags=re.M))
-    assert scalar >= 8 * max(8, rows) // 8 * group, scalar  # 2 x 4 values per n8 block
+
+    def count(op, text):
+        return len(re.findall(rf"^\s*{re.escape(op)}\s", text, flags=re.M))
+
+    # Against the same kernel reading W's rows: each chunk's 2 x 4 values per n8 block come
+    # as 8 single loads instead of 2 vector loads.
+    reads = 2 * max(8, rows) // 8 * group
+    assert count("ld.shared.b32", ptx) - count("ld.shared.b32", rows_ptx) >= 4 * reads
+    assert count("ld.shared.v4.b32", rows_ptx) - count("ld.shared.v4.b32", ptx) >= reads
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
     for bad in [dict(w_guess=False), dict(w_guess=True, rows=4)]:
         args = dict(m_rows=1, rows=8, group=2, stages=2, has_bias=False, w_kn=True) | bad

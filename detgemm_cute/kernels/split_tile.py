@@ -37,8 +37,9 @@ With `w_kn` (and `w_guess`) W is given [K, N] with N contiguous and read in plac
 [slot][row of K][column] with 8 floats of padding after every 4 rows of K.
 
 Inputs: W fp32 [N, chunks, 2, 4, 4] and its int32 view [N, chunks * 8, 4] (rows 16-byte
-aligned, K a multiple of 32; `w_kn`: W [K, N / 4, 4], the view unused); X's parts fp16 [M, chunks, 3, 2, 4, 4]; X's row scales s_x
-fp32 [M]; Y fp32 [M, N] (unit stride along N); bias fp32 [N].
+aligned, K a multiple of 32; `w_kn`: W [K, N / 4, 4], the view unused); X's parts fp16
+[M, chunks, 3, 2, 4, 4]; X's row scales s_x fp32 [M]; Y fp32 [M, N] (unit stride along N);
+bias fp32 [N].
 """
 
 from __future__ import annotations
