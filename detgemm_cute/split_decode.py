@@ -28,12 +28,12 @@ A weight given [K, N] with N contiguous (`applies_kn`: dX's W [N_out, K_out] red
 its columns; mm's [K, N] operand) takes it too, where the split path would read W for its
 column maxima, again for the split, write 1.5x its bytes as fp16 parts and read those back
 in a GEMM with few tiles. On sm_90, with N a multiple of 4 and 16-byte-aligned rows
-(`kn_in_place`), the streaming kernel reads W's columns in place (`SplitGemvFp32`'s
-`w_kn`, `kn_shape`), always at given scales: the weight's guesses, else its exact column
-scales taken first (`kn_plan`). Elsewhere, up to `KN_COPY_MAX_M` rows of X, it runs on a
-K-major copy of W (`staging.transposed`: one read and one write of W). Either way the
-guessed scales are kept for the given weight itself (`guesses`' ``of``), apart from its
-fwd row scales.
+(`kn_in_place`), the fused kernels read W's columns in place (`w_kn` of `SplitGemvFp32`
+and `SplitTileFp32`, `kn_shape`), always at given scales: the weight's guesses, else its
+exact column scales taken first (`kn_plan`). Elsewhere, up to `KN_COPY_MAX_M` rows of X,
+it runs on a K-major copy of W (`staging.transposed`: one read and one write of W). Either
+way the guessed scales are kept for the given weight itself (`guesses`' ``of``), apart
+from its fwd row scales.
 
 The launch shapes are plain arithmetic: `launch_shape` (rows of W per CTA, chunks per warp
 and round, a persistent grid of two CTAs per SM at most, X staged as its parts or as fp32)
@@ -236,13 +236,19 @@ class StreamShape(NamedTuple):
     w_guess: bool = False  # W's row scales guessed from the weight's last call, then checked
 
 
+def w_stage_floats(rows: int, slots: int, w_kn: bool) -> int:
+    """`kernels.split_gemv.w_stage_floats` (that module imports the DSL): floats of one
+    stage of W in shared memory, `slots` chunk slots of `rows` rows (`w_kn`: columns)."""
+    return slots * 8 * (4 * rows + 8) if w_kn else rows * (slots * 32 + 16)
+
+
 def smem_bytes(m_rows: int, rows: int, group: int, stages: int, x_fp32: bool = False,
                x_inline: bool = False, w_guess: bool = False, w_kn: bool = False) -> int:
     """Shared memory of one CTA (`SplitGemvFp32`): the stages of W rows (`w_kn`: of its
     columns, padded) and of X (fp32 or its parts), the chunk exchange, the row scales (X's
     too with `x_inline`), the row maxima (W's per warp with `w_guess`)."""
     slots = _WARPS * group
-    w = stages * (slots * (32 * rows + 64) if w_kn else rows * (slots * 32 + 16)) * 4
+    w = stages * w_stage_floats(rows, slots, w_kn) * 4
     a = stages * m_rows * ((slots * 32 + 16) * 4 if x_fp32 else (slots * 96 + 16) * 2)
     scales = 2 * (max(8, rows) + (m_rows if x_inline else 0)) * 4
     tops = 4 * max(_WARPS * (m_rows if x_inline else 1),
@@ -323,9 +329,8 @@ def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape | TileShape:
       where 16-row blocks give every SM one, 16 rows of W, two chunks per warp and round,
       2 stages, one CTA per SM (`bench_fp32_decode.py --op dx --sweep kn`, H200, N the
       output's width: 1.08-1.13x at N = 4096, 1.02-1.06x at N = 8192; at N = 1024, 64 such
-      blocks, 0.80-0.85x); fewer
-      stages where the padded stages no longer fit two CTAs per SM (or one), and then one
-      CTA per SM."""
+      blocks, 0.80-0.85x); fewer stages where the padded stages no longer fit two CTAs per
+      SM (or one; 2 stages always fit, `test_kn_shape_fits_its_ctas`)."""
     tile = tile_shape(m, n, sms, True)
     if tile is not None:
         return tile
@@ -341,8 +346,6 @@ def kn_shape(m: int, n: int, k: int, sms: int) -> StreamShape | TileShape:
     stages = shape.stages
     while stages > 2 and size(stages) > limit:
         stages -= 1
-    if size(stages) > limit:
-        shape = shape._replace(ctas=min(shape.ctas, sms))
     return shape._replace(stages=stages)
 
 
@@ -362,7 +365,7 @@ def tile_smem_bytes(m_rows: int, rows: int, group: int, stages: int,
     """Shared memory of one CTA of `SplitTileFp32`: the stages of W rows (`w_kn`: of its
     columns, padded) and of X's parts, the row scales (and with `w_guess` the row maxima
     per warp)."""
-    w = stages * (group * (32 * rows + 64) if w_kn else rows * (group * 32 + 16)) * 4
+    w = stages * w_stage_floats(rows, group, w_kn) * 4
     a = stages * m_rows * (group * 96 + 16) * 2
     tops = 4 * (_WARPS * rows + 1) if w_guess else 0
     return w + a + 2 * rows * 4 + tops + 4 * 128
@@ -471,10 +474,11 @@ def decode_gemm_kn(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | Non
     (or with `via_copy`) on its K-major copy, with the guessed scales kept for `b_kn`
     itself. `shape` forces the in-place launch (benchmarks, tests: a `StreamShape` or a
     `TileShape`)."""
-    if via_copy or (via_copy is None and not kn_in_place(b_kn)):
+    in_place = kn_in_place(b_kn)
+    if via_copy or (via_copy is None and not in_place):
         w = staging.transposed(b_kn, b_kn.shape[0])
         return decode_gemm(a, b_kn.t().contiguous() if w is None else w, bias, guess_of=b_kn)
-    if not kn_in_place(b_kn) or not isinstance(shape, (StreamShape, TileShape, type(None))):
+    if not in_place or not isinstance(shape, (StreamShape, TileShape, type(None))):
         raise ValueError(f"decode_gemm_kn: an in-place read needs kn_in_place(b_kn) (sm_90, N "
                          f"a multiple of 4, 16-byte-aligned rows) and a StreamShape or "
                          f"TileShape; got b_kn {tuple(b_kn.shape)} strides {b_kn.stride()}, "

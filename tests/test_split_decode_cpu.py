@@ -268,6 +268,18 @@ def test_compiled_code(arch, shape, tmp_path):
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
 
 
+def test_w_stage_size_is_the_kernels():
+    """The host's stage arithmetic (`split_decode.w_stage_floats`, for the launch rules)
+    is the kernels' own (`kernels.split_gemv.w_stage_floats`, their layouts' stride)."""
+    from detgemm_cute.kernels import split_gemv
+
+    for rows in (2, 4, 8, 16, 32, 64):
+        for slots in (1, 2, 4, 8, 16, 32):
+            for kn in (False, True):
+                assert (split_decode.w_stage_floats(rows, slots, kn)
+                        == split_gemv.w_stage_floats(rows, slots, kn))
+
+
 def test_kn_tile_kernel_compiled_code(tmp_path):
     """`SplitTileFp32` with `w_kn`: W's columns by 16-byte cp.async, read as single values,
     the chain in registers; `w_kn` needs `w_guess`."""

@@ -108,9 +108,6 @@ class SplitGemvFp32:
         # banks: fp32 rows (W; X with x_fp32) by 16 values (lanes 4 rows apart alternate
         # bank halves), rows of X's parts by 16 fp16 (four rows' 8-byte reads fill 128 bytes).
         self.w_pitch = self.slots * 32 + 16
-        # w_kn: floats per 4 rows of K (their columns, then 8 of padding) and per chunk slot.
-        self.kn_pitch = 4 * rows + 8
-        self.kn_slot = 8 * self.kn_pitch
         self.a_pitch = self.w_pitch if x_fp32 else self.slots * 96 + 16
         # X's rows in shared memory: (values per 16-byte vector, vectors per chunk).
         self.a_vec = (4, 8) if x_fp32 else (8, 12)
@@ -128,8 +125,7 @@ class SplitGemvFp32:
                  mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
-        w_floats = self.stages * (self.slots * self.kn_slot if self.w_kn
-                                  else self.rows * self.w_pitch)
+        w_floats = self.stages * w_stage_floats(self.rows, self.slots, self.w_kn)
         a_values = self.stages * self.m_rows * self.a_pitch
         a_dtype = cutlass.Float32 if self.x_fp32 else cutlass.Float16
         # With x_inline, X's scales and reciprocals follow W's, and the tops take one row
@@ -169,14 +165,7 @@ class SplitGemvFp32:
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # W: [stage][row][chunk slot][32] (pitch w_pitch per row); X: [stage][row][chunk
         # slot][32 fp32 or 96 parts] (pitch a_pitch); chunk values: [slot][row][col].
-        s_w = storage.w.get_tensor(cute.make_layout(
-            (4, 8, self.slots, rows, stages),
-            stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
-        if cutlass.const_expr(self.w_kn):  # [column][row of K][slot][stage], padded
-            s_w = storage.w.get_tensor(cute.make_layout(
-                ((4, rows // 4), (4, 8), self.slots, stages),
-                stride=((1, 4), (rows, self.kn_pitch), self.kn_slot,
-                        self.slots * self.kn_slot)))
+        s_w = self._w_stages(storage)
         vec, vecs = self.a_vec
         s_a = storage.a.get_tensor(cute.make_layout(
             (vec, vecs, self.slots, self.m_rows, stages),
@@ -232,6 +221,31 @@ class SplitGemvFp32:
                     self._store_unscaled(mY, mBias, m, n, acc[i], inv_x, s_inv, o % rows)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the next block rewrites the scales and the stages
+
+    def _w_stages(self, storage):
+        """W's stages in shared memory: [row][chunk slot][32] (pitch w_pitch per row) or,
+        with `w_kn`, [column][row of K][chunk slot] with 8 floats of padding after every 4
+        rows of K (`w_stage_floats`), per stage."""
+        rows, slots = self.rows, self.slots
+        per_stage = w_stage_floats(rows, slots, self.w_kn)
+        if self.w_kn:
+            pitch = 4 * rows + 8  # 4 rows of K's columns, then the padding
+            return storage.w.get_tensor(cute.make_layout(
+                ((4, rows // 4), (4, 8), slots, self.stages),
+                stride=((1, 4), (rows, pitch), 8 * pitch, per_stage)))
+        return storage.w.get_tensor(cute.make_layout(
+            (4, 8, slots, rows, self.stages),
+            stride=(1, 4, 32, self.w_pitch, per_stage)))
+
+    @cute.jit
+    def _w_quad(self, s_w: cute.Tensor, w: cute.Tensor, row, j, t, slot, stage):
+        """This thread's values 4t..4t+3 of W's row `row` in 16-wide half j of the chunk
+        in `slot` (`w_kn`: rows 16j + 4t .. + 3 of K of column `row`, one by one)."""
+        if cutlass.const_expr(self.w_kn):
+            for v in cutlass.range_constexpr(4):
+                w[v] = s_w[(row, 16 * j + 4 * t + v, slot, stage)]
+        else:
+            cute.autovec_copy(s_w[(None, 4 * j + t, slot, row, stage)], w)
 
     def _w_extents(self, mW: cute.Tensor):
         """(N, chunks of 32 values of K) of W as given: [N, chunks, ...] or, with `w_kn`,
@@ -524,11 +538,8 @@ class SplitGemvFp32:
         for nb in cutlass.range_constexpr(self.n_blocks):
             for j in cutlass.range_constexpr(2):
                 w = cute.make_rmem_tensor((4,), cutlass.Float32)
-                if cutlass.const_expr(self.w_kn):  # rows 16j + 4t .. + 3 of K, one by one
-                    for v in cutlass.range_constexpr(4):
-                        w[v] = s_w[(nb * 8 + g, 16 * j + 4 * t + v, slot, stage)]
-                elif cutlass.const_expr(self.rows >= 8):
-                    cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+                if cutlass.const_expr(self.rows >= 8):  # w_kn: rows >= 8
+                    self._w_quad(s_w, w, nb * 8 + g, j, t, slot, stage)
                 else:  # rows past the block's are zeros (their outputs are not stored)
                     w.fill(0.0)
                     if g < self.rows:
@@ -689,6 +700,13 @@ def _rn(op: str):
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
     return fn
+
+
+def w_stage_floats(rows: int, slots: int, w_kn: bool) -> int:
+    """Floats of one stage of W in shared memory (`_w_stages`): `rows` rows of `slots`
+    chunks of 32, pitch padded by 16; with `w_kn` per chunk slot 32 rows of K of the
+    block's `rows` columns, 8 floats of padding after every 4."""
+    return slots * 8 * (4 * rows + 8) if w_kn else rows * (slots * 32 + 16)
 
 
 mul_rn = _rn("mul")

@@ -49,7 +49,8 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 
-from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, reciprocal, split_quad)
+from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, reciprocal, split_quad,
+                         w_stage_floats)
 from .split_parts import SIGN_OFF
 
 M_ROWS = (16, 32, 64)
@@ -82,8 +83,6 @@ class SplitTileFp32(SplitGemvFp32):
         self.warps_n = self.n_blocks
         self.wm = self.m_tiles // (WARPS // self.warps_n)  # m16 tiles per warp
         self.w_guess, self.w_kn = w_guess, w_kn
-        self.kn_pitch = 4 * rows + 8  # w_kn: floats per 4 rows of K, and per chunk slot
-        self.kn_slot = 8 * self.kn_pitch
         self.tops_len = WARPS * self.bn + 1 if w_guess else WARPS
 
     @cute.jit
@@ -92,8 +91,7 @@ class SplitTileFp32(SplitGemvFp32):
                  mGuess: Optional[cute.Tensor], ctas: cutlass.Int32, stream):
         op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16))
         tiled_mma = cute.make_tiled_mma(op)
-        w_floats = self.stages * (self.group * self.kn_slot if self.w_kn
-                                  else self.rows * self.w_pitch)
+        w_floats = self.stages * w_stage_floats(self.rows, self.slots, self.w_kn)
         a_values = self.stages * self.m_rows * self.a_pitch
 
         @cute.struct
@@ -128,13 +126,7 @@ class SplitTileFp32(SplitGemvFp32):
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # W: [stage][row][chunk slot][32] (pitch w_pitch); X's parts: [stage][row][chunk
         # slot][96] (pitch a_pitch): `SplitGemvFp32`'s layouts with `group` slots.
-        s_w = storage.w.get_tensor(cute.make_layout(
-            (4, 8, grp, rows, stages),
-            stride=(1, 4, 32, self.w_pitch, rows * self.w_pitch)))
-        if cutlass.const_expr(self.w_kn):  # [column][row of K][slot][stage], padded
-            s_w = storage.w.get_tensor(cute.make_layout(
-                ((4, rows // 4), (4, 8), grp, stages),
-                stride=((1, 4), (rows, self.kn_pitch), self.kn_slot, grp * self.kn_slot)))
+        s_w = self._w_stages(storage)
         s_a = storage.a.get_tensor(cute.make_layout(
             (8, 12, grp, self.m_rows, stages),
             stride=(1, 8, 96, self.a_pitch, self.m_rows * self.a_pitch)))
@@ -226,11 +218,7 @@ class SplitTileFp32(SplitGemvFp32):
         steps -hi j, -lo j, hi j (steps 2p + j take part p)."""
         for j in cutlass.range_constexpr(2):
             w = cute.make_rmem_tensor((4,), cutlass.Float32)
-            if cutlass.const_expr(self.w_kn):  # rows 16j + 4t .. + 3 of K, one by one
-                for v in cutlass.range_constexpr(4):
-                    w[v] = s_w[(nb * 8 + g, 16 * j + 4 * t + v, slot, stage)]
-            else:
-                cute.autovec_copy(s_w[(None, 4 * j + t, slot, nb * 8 + g, stage)], w)
+            self._w_quad(s_w, w, nb * 8 + g, j, t, slot, stage)
             if cutlass.const_expr(tops is not None):
                 bits = cute.recast_tensor(w, cutlass.Int32)
                 for v in cutlass.range_constexpr(4):
