@@ -26,8 +26,12 @@ the chunked GEMM), `via_copy` (the fused path on W's K-major copy), `transpose` 
 alone), `cublas_sgemm` (dY @ W, TF32 off), `read_w`, and with ``--sweep kn`` the in-place
 kernel at each `KN_SWEEP` launch shape (`kn_*`).
 
+``--sweep tile_guess`` (fwd or dX): the tile kernel with guessed scales (dX: in place) at
+each `TILE_GUESS_SWEEP` launch shape (`tileg_*`) beside the call as it runs, the split
+path, SGEMM and one read of W (the other forced units left out).
+
     python bench/bench_fp32_decode.py --out $OUT
-        [--op dx] [--sweep [cluster|stream|tile|inline|guess]]
+        [--op dx] [--sweep [cluster|stream|tile|inline|guess|kn|tile_guess]]
         [--max-seconds 300]
 """
 
@@ -60,6 +64,10 @@ SWEEP = [(8, 2, 4, 2, False), (8, 2, 3, 2, False), (8, 4, 2, 2, False), (8, 1, 6
 # (rows, group, stages, CTAs per SM) of the tile sweep (`SplitTileFp32`, M 9..64).
 TILE_SWEEP = [(r, g, s, c) for r in (16, 32, 64)
               for g, s in ((2, 4), (2, 3), (2, 2), (4, 3), (4, 2)) for c in (1, 2)]
+# (rows, group, stages, CTAs per SM) of the guessing tile sweep (``--sweep tile_guess``, fwd
+# and dX at 17..64 rows of X: the launches the path runs).
+TILE_GUESS_SWEEP = [(16, 4, 2, 1), (32, 4, 2, 1), (32, 2, 2, 1), (32, 2, 2, 2), (64, 4, 2, 1),
+                    (64, 2, 2, 2)]
 # (rows, group, stages, CTAs per SM) of the streaming kernel with X's scales taken in the
 # kernel (X in fp32, M <= 16).
 INLINE_SWEEP = [(8, 2, 4, 2), (8, 2, 3, 2), (8, 2, 2, 2), (8, 1, 4, 2), (8, 4, 2, 2),
@@ -130,14 +138,18 @@ def cold(shape):
     return run
 
 
-def forced_tile(m, n, rows, group, stages, per_sm, sms):
+def forced_tile(m, n, rows, group, stages, per_sm, sms, guess=False, kn=False):
+    """The tile kernel at one launch shape (`guess`: W's scales guessed; `kn`: dX's W read
+    in place), or None where the shape does not fit M or `per_sm` CTAs' shared memory."""
     m_rows = max(16, split_decode.m_rows_for(m))
     if (m > split_decode.MAX_M or (m_rows // 16) * (rows // 8) < 8
-            or split_decode.tile_smem_bytes(m_rows, rows, group, stages) * per_sm
+            or split_decode.tile_smem_bytes(m_rows, rows, group, stages, guess, kn) * per_sm
             > split_decode.SMEM_LIMIT):
         return None
     shape = split_decode.TileShape(m_rows, rows, group, stages,
-                                   min(-(-n // rows), per_sm * sms))
+                                   min(-(-n // rows), per_sm * sms), guess)
+    if kn:
+        return lambda s: split_decode.decode_gemm_kn(s[0], s[1], None, False, shape)
     return lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
@@ -150,6 +162,13 @@ def forced_cluster(m, k, budget=split_decode.CLUSTER_CTA_BYTES):
     return shape, lambda s: split_decode.decode_gemm(s[0], s[1], None, shape)
 
 
+def tile_guess_units(m, n, sms, kn) -> dict:
+    """``--sweep tile_guess``: the guessing tile kernel at each `TILE_GUESS_SWEEP` shape
+    that fits (`kn`: dX's in-place read)."""
+    return {"tileg_" + "_".join(map(str, shape)): forced_tile(m, n, *shape, sms, True, kn)
+            for shape in TILE_GUESS_SWEEP}
+
+
 def measure(m, k, n, sweep, l2, cap, sms) -> dict:
     sets = [(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"))
             for _ in range(min(8, n_sets_for(4 * (m + n) * k, l2, PLAN)))]
@@ -159,7 +178,7 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
              "cublas_sgemm": lambda s: sgemm(s[0], s[1], False),
              "read_w": lambda s: torch.linalg.vector_norm(s[1], float("inf"), dim=-1)}
     stream_shape = split_decode.stream_shape(m, n, k, sets[0][0].device)
-    if m <= split_decode.MAX_M:
+    if m <= split_decode.MAX_M and sweep != "tile_guess":
         units["stream"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, stream_shape)
         twopass = stream_shape._replace(w_guess=False)
         units["stream_twopass"] = lambda s: split_decode.decode_gemm(s[0], s[1], None, twopass)
@@ -195,6 +214,8 @@ def measure(m, k, n, sweep, l2, cap, sms) -> dict:
         for rows, group, stages, per_sm in TILE_SWEEP:
             units[f"tile_r{rows}_g{group}_s{stages}_c{per_sm}"] = forced_tile(
                 m, n, rows, group, stages, per_sm, sms)
+    if sweep == "tile_guess":
+        units.update(tile_guess_units(m, n, sms, False))
     units = {nm: fn for nm, fn in units.items() if fn is not None}
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
@@ -250,6 +271,10 @@ def measure_dx(m, k, n, sweep, l2, cap, sms) -> dict:
             fn = forced_kn(m, k, n, *shape, sms)
             if fn is not None:
                 units["kn_" + "_".join(map(str, shape))] = fn
+    if sweep == "tile_guess" and split_decode.kn_in_place(sets[0][1]):
+        del units["via_copy"], units["transpose"]
+        units.update({nm: fn for nm, fn in tile_guess_units(m, k, sms, True).items()
+                      if fn is not None})
     res = time_units(units, sets, PLAN, cap)
     us = {nm: r.get("us") for nm, r in res.items()}
     ref = split_path_dx(sets[0]).view(torch.int32)
@@ -262,9 +287,9 @@ def measure_dx(m, k, n, sweep, l2, cap, sms) -> dict:
            "us": us, "bits_equal_split_path": same,
            "errors": {nm: r["error"] for nm, r in res.items() if "error" in r}}
     gpu.log(f"dx {m}x{k}x{n}: fp32 {us['detgemm_fp32']} us (split path {us['split_path']}; "
-            f"via copy {us['via_copy']}, transpose {us['transpose']}); sgemm "
+            f"via copy {us.get('via_copy')}, transpose {us.get('transpose')}); sgemm "
             f"{us['cublas_sgemm']}; read W {us['read_w']}; bits {same}; "
-            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith("kn_")))
+            + " ".join(f"{nm}={v}" for nm, v in us.items() if nm.startswith(("kn_", "tileg_"))))
     del sets
     return row
 
@@ -308,7 +333,7 @@ def report_dx(rows, meta) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r["us"]
-        forced_us = {nm: v for nm, v in us.items() if nm.startswith("kn_") and v}
+        forced_us = {nm: v for nm, v in us.items() if nm.startswith(("kn_", "tileg_")) and v}
         best = min(forced_us, key=forced_us.get) if forced_us else None
         fused = ("in place" if r.get("in_place") else "copy") if r["fused"] else "no"
         lines.append(f"| {r['M']} | {r['K']} -> {r['N']} | {fused} | "
@@ -384,7 +409,8 @@ def main() -> int:
     ap.add_argument("--op", choices=["fwd", "dx"], default="fwd",
                     help="dx: dY @ W per weight (`measure_dx`) instead of the forward")
     ap.add_argument("--sweep", nargs="?", const="all",
-                    choices=["all", "cluster", "stream", "tile", "inline", "guess", "kn"],
+                    choices=["all", "cluster", "stream", "tile", "inline", "guess", "kn",
+                             "tile_guess"],
                     help="also time the forced shapes of both kernels (or of one)")
     ap.add_argument("--max-seconds", type=float, default=300.0)
     args = ap.parse_args()

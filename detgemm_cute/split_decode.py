@@ -13,7 +13,8 @@ kernel: on sm_90, one row of X at K in 8192..16384 then runs
 `kernels.cluster_gemv.ClusterGemvFp32`, a cluster of up to 8 CTAs that keeps each block's K
 range in shared memory and meets the row maxima in distributed shared memory.
 
-At 33..64 rows of X and wide N (17..64 with the two-pass rules), sm_90 runs
+At 17..64 rows of X and wide N (`tile_min_n`: N >= 3584; 17..32 rows from N = 8192 with
+the two-pass rules), sm_90 runs
 `kernels.split_tile.SplitTileFp32`: each warp owns outputs over the whole K and adds its
 chunks in registers (`tile_shape`). Up to `X_INLINE_M` rows of X the streaming kernel takes
 X's row scales itself (`x_inline`), and no split kernel runs on X.
@@ -94,11 +95,12 @@ CLUSTER_MAX = 8  # CTAs per cluster (the portable most)
 CLUSTER_ROWS = 8  # rows of W per cluster (kernels.cluster_gemv.ROWS)
 CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB at M = 1
 # Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`),
-# W's scales taken first; with guessed scales (`tile_min_n`) the streaming kernel reads W
-# once and beats the two-pass tile kernel at 17..32 rows of X (the four N >= 8192 problems
-# of bench_fp32_decode: 1.14-1.33x; the tile kernel with guesses was not timed there).
+# W's scales taken first (`TILE_MIN_N`) or guessed (`TILE_MIN_N_GUESS`, `tile_min_n`). With
+# guesses the tile kernel (its m16 tiles' chains interleaved) beat the streaming kernel at
+# 17..32 rows of X on 14 of 16 fwd and dX problems with N >= 3584, 1.18-1.72x; at N = 2048
+# it lost (0.69x): bench/results/tune/fp32-decode-tile-guess-sweep_nvidia-h200.md.
 TILE_MIN_N = {32: 8192, 64: 3584}
-TILE_MIN_N_GUESS = {64: 3584}
+TILE_MIN_N_GUESS = {32: 3584, 64: 3584}
 
 
 W_NEED = needs.SPLIT_ROWS  # fp32 rows, 16-byte loads
@@ -377,12 +379,14 @@ def tile_shape(m: int, n: int, sms: int, guess: bool | None = None) -> TileShape
     kernel is faster (`bench/bench_fp32_decode.py --sweep tile` on an H100, 12 public-model
     weights at M = 32 and 64; `bench/results/tune/fp32-decode-tile-sweep_*`):
 
-    - 33..64 rows of X from N = `TILE_MIN_N[64]`: 32 rows of W per block where that leaves
-      at most one block per SM, else 64; four chunks per round, 2 stages, one CTA per SM;
-      where even 64-row blocks outnumber the SMs, two chunks per round and two CTAs per SM
-      (16 warps per SM: the chains are latency-bound; 1.15x at N = 14336);
-    - 17..32 rows of X from N = `TILE_MIN_N[32]`: 64-row blocks, two chunks per round,
-      2 stages, two CTAs per SM.
+    - 33..64 rows of X from N = `TILE_MIN_N[64]`, and with guessed scales 17..32 rows from
+      `TILE_MIN_N_GUESS[32]` (the same rule won there: `TILE_MIN_N_GUESS`): 32 rows of W
+      per block where that leaves at most one block per SM, else 64; four chunks per round,
+      2 stages, one CTA per SM; where even 64-row blocks outnumber the SMs, two chunks per
+      round and two CTAs per SM (16 warps per SM: the chains are latency-bound; 1.15x at
+      N = 14336);
+    - 17..32 rows of X with W's scales taken first, from N = `TILE_MIN_N[32]`: 64-row
+      blocks, two chunks per round, 2 stages, two CTAs per SM.
     Below those N the blocks leave SMs idle and the streaming kernel, which splits K among
     a block's warps, wins (N = 2048: 105 us against 91 at M = 64)."""
     guess = GUESS if guess is None else guess
@@ -390,7 +394,7 @@ def tile_shape(m: int, n: int, sms: int, guess: bool | None = None) -> TileShape
     min_n = tile_min_n(guess)
     if m_rows not in min_n or n < min_n[m_rows]:
         return None
-    if m_rows == 32:
+    if m_rows == 32 and not guess:
         rows, group, per_sm = 64, 2, 2
     elif -(-n // 32) <= sms:
         rows, group, per_sm = 32, 4, 1

@@ -101,3 +101,20 @@ def test_kn_sweep_forces_the_shape_it_names(bd, monkeypatch):
     assert two.x_fp32 and not two.x_inline and two.m_rows == 8
     assert bd.forced_kn(64, 4096, 4096, 16, 1, 4, 1, 132) is None  # 64 rows of X, 4 stages
     assert bd.forced_kn(8, 4096, 4096, 8, 2, 3, 2, 132) is None  # two such CTAs per SM
+
+
+def test_tile_guess_sweep_shapes_fit_or_are_skipped(bd):
+    """``--sweep tile_guess``: a shape runs exactly where it fits M (one n8 block and an m16
+    tile per warp) and its CTAs' shared memory, fwd and in place (dX)."""
+    from detgemm_cute import split_decode
+
+    for kn in (False, True):
+        for m in (*bd.DECODE_M, 65):
+            units = bd.tile_guess_units(m, 4096, 132, kn)
+            assert len(units) == len(bd.TILE_GUESS_SWEEP)
+            m_rows = max(16, split_decode.m_rows_for(m))
+            for (rows, group, stages, per_sm), fn in zip(bd.TILE_GUESS_SWEEP, units.values()):
+                fits = (m <= split_decode.MAX_M and (m_rows // 16) * (rows // 8) >= 8
+                        and split_decode.tile_smem_bytes(m_rows, rows, group, stages, True, kn)
+                        * per_sm <= split_decode.SMEM_LIMIT)
+                assert (fn is not None) == fits, (m, rows, group, stages, per_sm, kn)

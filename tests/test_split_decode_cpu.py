@@ -386,8 +386,8 @@ def test_tile_shape_arithmetic(m, n, guess):
     blocks = -(-n // shape.rows)
     per_sm = 2 if (shape.rows, shape.group) == (64, 2) else 1
     assert shape.ctas == min(blocks, per_sm * 132) and shape.stages == 2
-    if m_rows == 64:  # 32-row blocks while they leave one per SM, then 64, then 2 per SM
-        assert shape.rows == (32 if -(-n // 32) <= 132 else 64)
+    if m_rows == 64 or guess:  # 32-row blocks while they leave one per SM, then 64,
+        assert shape.rows == (32 if -(-n // 32) <= 132 else 64)  # then 2 per SM
         assert shape.group == (2 if -(-n // 64) > 132 else 4)
     else:
         assert (shape.rows, shape.group) == (64, 2)
