@@ -43,12 +43,13 @@ def in_form(form: str, call):
     cache: dict = {}
 
     def run(s):
-        saved, split._kernels = split._kernels, cache
+        saved = split._kernels, SplitTileFp32.ROW_CHECK, SplitTileFp32.INTERLEAVE
+        split._kernels = cache
         SplitTileFp32.ROW_CHECK, SplitTileFp32.INTERLEAVE = FORMS[form]
         try:
             return call(s)
         finally:
-            split._kernels = saved
+            split._kernels, SplitTileFp32.ROW_CHECK, SplitTileFp32.INTERLEAVE = saved
     return run
 
 

@@ -97,8 +97,8 @@ CLUSTER_CTA_BYTES = 44 * 1024  # a cluster CTA's chunks: the best of 32-100 KiB 
 # Rows of X (m_rows) -> the least N from which `SplitTileFp32` runs on sm_90 (`tile_shape`),
 # W's scales taken first (`TILE_MIN_N`) or guessed (`TILE_MIN_N_GUESS`, `tile_min_n`). With
 # guesses the tile kernel (its m16 tiles' chains interleaved) beat the streaming kernel at
-# 17..32 rows of X on 14 of 16 fwd and dX problems with N >= 3584, 1.18-1.72x; at N = 2048
-# it lost (0.69x): bench/results/tune/fp32-decode-tile-guess-sweep_nvidia-h200.md.
+# 17..32 rows of X on all 15 fwd and dX problems with N >= 3584, 1.16-1.73x at the rule's
+# launch; at N = 2048 it lost (0.69x): bench/results/tune/fp32-decode-tile-guess-sweep_*.
 TILE_MIN_N = {32: 8192, 64: 3584}
 TILE_MIN_N_GUESS = {32: 3584, 64: 3584}
 

@@ -118,3 +118,23 @@ def test_tile_guess_sweep_shapes_fit_or_are_skipped(bd):
                         and split_decode.tile_smem_bytes(m_rows, rows, group, stages, True, kn)
                         * per_sm <= split_decode.SMEM_LIMIT)
                 assert (fn is not None) == fits, (m, rows, group, stages, per_sm, kn)
+
+
+def test_tile_guess_sweep_forces_the_shape_it_names(bd, monkeypatch):
+    """A `tileg_*` unit runs the guessing tile kernel at its rows, chunks per round and
+    stages on per_sm CTAs per SM (the blocks where fewer): through `decode_gemm` for the
+    forward, in place through `decode_gemm_kn` (never via the copy) for dX."""
+    from detgemm_cute import split_decode
+
+    seen = []
+    monkeypatch.setattr(split_decode, "decode_gemm",
+                        lambda a, b, bias, shape: seen.append(("fwd", shape)))
+    monkeypatch.setattr(split_decode, "decode_gemm_kn",
+                        lambda a, b, bias, via_copy, shape: seen.append(("kn", via_copy, shape)))
+    s = (None, None)
+    bd.tile_guess_units(32, 4096, 132, False)["tileg_32_4_2_1"](s)
+    bd.tile_guess_units(64, 9000, 132, True)["tileg_64_2_2_2"](s)
+    (op1, fwd), (op2, via_copy, dx) = seen
+    assert op1 == "fwd" and fwd == split_decode.TileShape(32, 32, 4, 2, 128, True)
+    assert op2 == "kn" and via_copy is False
+    assert dx == split_decode.TileShape(64, 64, 2, 2, 141, True)

@@ -215,10 +215,12 @@ def test_every_tile_shape_same_bits(m):
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="tile kernel: sm_90")
-@pytest.mark.parametrize("m,n", [(20, 8192), (32, 8200), (40, 3600), (64, 5000), (33, 9000)])
+@pytest.mark.parametrize("m,n", [(20, 8192), (32, 8200), (24, 4000), (30, 9000), (40, 3600),
+                                 (64, 5000), (33, 9000)])
 def test_tile_rule_shapes_through_the_default_path(m, n):
     """Every configuration `tile_shape` ships (32- and 64-row blocks, 4 or 2 chunks a
-    round, one or two CTAs per SM), through `dg.linear`, with and without bias."""
+    round, one or two CTAs per SM; 32 and 64 rows of X), through `dg.linear`, with and
+    without bias."""
     if split_decode.m_rows_for(m) not in split_decode.tile_min_n():
         pytest.skip("the streaming kernel serves these rows of X (guessed W scales)")
     assert isinstance(split_decode.default_shape(m, n, 256, torch.device(DEV)),

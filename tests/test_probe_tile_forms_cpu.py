@@ -27,13 +27,13 @@ def test_launch_is_the_path_tile_or_the_128_row_tile(pf):
     assert split_decode.tile_smem_bytes(128, 32, 2, 2, True, True) <= split_decode.SMEM_LIMIT
 
 
-def test_a_form_builds_from_its_own_cache(pf, monkeypatch):
+def test_a_form_builds_from_its_own_cache(pf):
+    """Each form's calls see that form's class switches and their own kernel cache; the
+    switches and the cache are the tree's again after every call."""
     from detgemm_cute import split
     from detgemm_cute.kernels.split_tile import SplitTileFp32
 
-    monkeypatch.setattr(SplitTileFp32, "ROW_CHECK", SplitTileFp32.ROW_CHECK)
-    monkeypatch.setattr(SplitTileFp32, "INTERLEAVE", SplitTileFp32.INTERLEAVE)
-    outer = split._kernels
+    outer, defaults = split._kernels, (SplitTileFp32.ROW_CHECK, SplitTileFp32.INTERLEAVE)
     seen = []
 
     def call(_):
@@ -44,6 +44,7 @@ def test_a_form_builds_from_its_own_cache(pf, monkeypatch):
     runs = {form: pf.in_form(form, call) for form in pf.FORMS}
     for form, run in runs.items():
         assert run(None) == "y" and split._kernels is outer
+        assert (SplitTileFp32.ROW_CHECK, SplitTileFp32.INTERLEAVE) == defaults
         flags = seen[-1][:2]
         assert flags == pf.FORMS[form] and seen[-1][2] is not outer
         assert seen[-1][2] == {"k": "built"}

@@ -371,6 +371,20 @@ def test_guessed_scales_compiled_code(arch, kernel, shape, tmp_path):
     assert not any(op.startswith(("fma.", "atom.", "red.")) for op in ops), sorted(ops)
 
 
+def test_guessing_tile_rule_takes_17_to_32_rows_from_3584():
+    """With guessed scales 17..32 rows of X run the tile kernel from N = 3584 under the
+    33..64-row rule (`tile-guess-sweep` record); W's scales taken first, from N = 8192 with
+    64-row blocks, two chunks a round, two CTAs per SM."""
+    tile = split_decode.TileShape
+    assert split_decode.tile_shape(20, 3583, 132, True) is None
+    assert split_decode.tile_shape(20, 4096, 132, True) == tile(32, 32, 4, 2, 128, True)
+    assert split_decode.tile_shape(32, 8192, 132, True) == tile(32, 64, 4, 2, 128, True)
+    assert split_decode.tile_shape(17, 14336, 132, True) == tile(32, 64, 2, 2, 224, True)
+    assert split_decode.tile_shape(32, 4096, 132, False) is None
+    assert split_decode.tile_shape(32, 8192, 132, False) == tile(32, 64, 2, 2, 128, False)
+    assert split_decode.tile_shape(16, 8192, 132, True) is None  # 16 rows: streaming kernel
+
+
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n", [1, 1024, 3583, 3584, 4224, 4225, 8192, 8448, 8449, 18944])
 def test_tile_shape_arithmetic(m, n, guess):
