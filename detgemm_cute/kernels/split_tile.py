@@ -26,8 +26,8 @@ values of K, read by every warp):
    independent chains from +0.0), and each tile's chunk added to its accumulators. A's
    rows past M are read as shared memory holds them, never zeroed: an output row takes
    only its own row of A, and rows past M are not stored. (The two together: 1.05-1.10x
-   over tile after tile with zeroed rows on an H200,
-   bench/results/tune/tile-forms_nvidia-h200.md.)
+   over tile after tile with zeroed rows on an H200, bench/results/tune/tile-forms_*.md:
+   the forms' A/B, whose switches and probe are in git at abe0c1e.)
 4. Epilogue: ``(acc * (1/s_x[m])) * (1/s_w[n])`` (explicit rounding: `split.unscale`),
    plus bias[n] in fp32, stored as fp32.
 
@@ -57,22 +57,15 @@ from .split_gemv import (STEPS, THREADS, WARPS, SplitGemvFp32, reciprocal, split
                          w_stage_floats)
 from .split_parts import SIGN_OFF
 
-M_ROWS = (16, 32, 64, 128)
+M_ROWS = (16, 32, 64)
 ROWS = (16, 32, 64)
 
 
 class SplitTileFp32(SplitGemvFp32):
     """One CTA per block of ``rows`` rows of W (16, 32 or 64; persistent), ``m_rows`` rows of
-    X (16, 32, 64 or 128, with m_rows / 16 * rows / 8 >= 8: one n8 block and at least one
-    m16 tile per warp), ``group`` chunks per round (1, 2, 4 or 8), ``stages`` rounds in the
-    cp.async ring (2..8), optional fp32 bias. (`split_decode.tile_shape` says which; no rule
-    takes 128 rows of X: there the split path was faster, bench/probe_tile_forms.py.)"""
-
-    # The mainloop's forms (bench/probe_tile_forms.py times them against each other): A's
-    # rows past M predicated to zeros (the first form), and the warp's m16 tiles' chains
-    # step by step rather than tile after tile. Same bits in every form.
-    ROW_CHECK = False
-    INTERLEAVE = True
+    X (16, 32 or 64, with m_rows / 16 * rows / 8 >= 8: one n8 block and at least one m16
+    tile per warp), ``group`` chunks per round (1, 2, 4 or 8), ``stages`` rounds in the
+    cp.async ring (2..8), optional fp32 bias. (`split_decode.tile_shape` says which.)"""
 
     def __init__(self, m_rows: int, rows: int, group: int, stages: int, has_bias: bool,
                  w_guess: bool = False, w_kn: bool = False):
@@ -149,11 +142,10 @@ class SplitTileFp32(SplitGemvFp32):
         s_tops = storage.tops.get_tensor(cute.make_layout(WARPS))
         g2s_w, g2s_a, mA8 = self._staging(mA, m_total, chunks)
 
-        tiles = self.wm if self.INTERLEAVE else 1
-        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16 * tiles,
+        frag_a = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16 * self.wm,
                                                                         16 * STEPS)))
         frag_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16 * STEPS)))
-        chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * tiles, 8)))
+        chunk = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16 * self.wm, 8)))
         acc = cute.make_rmem_tensor((4, self.wm), cutlass.Float32)
         for blk in cutlass.range(bidx, blocks, ctas, unroll=1):
             n0 = blk * rows
@@ -193,7 +185,7 @@ class SplitTileFp32(SplitGemvFp32):
                      g, t, tidx, tops: Optional[cute.Tensor]):
         """Step 3 over one block at the scales in `s_scale`: this warp's chunks added into
         `acc` (`tops`: this thread's maximum of |w| bits, for `_check_guess`)."""
-        grp, stages, chunks, m_total = self.group, self.stages, copy[8], copy[9]
+        grp, stages, chunks = self.group, self.stages, copy[8]
         w_scale = s_scale[nb * 8 + g]
         acc.fill(0.0)
         for r in cutlass.range(rounds, unroll=1):
@@ -202,29 +194,17 @@ class SplitTileFp32(SplitGemvFp32):
             for gi in cutlass.range_constexpr(grp):
                 if r * grp + gi < chunks:
                     self._split_w_block(s_w, w_scale, frag_b, nb, gi, stage, g, t, tops)
-                    if cutlass.const_expr(self.INTERLEAVE):
-                        # Every tile's A fragments, then each step over the tiles: wm
-                        # independent chains in flight.
-                        for i in cutlass.range_constexpr(self.wm):
-                            self._load_a_tile(s_a4, frag_a, mt0 + i, i, gi, stage, m_total,
-                                              g, t)
-                        chunk.fill(0.0)
-                        for s in cutlass.range_constexpr(STEPS):
-                            cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
-                                      frag_b[(None, None, s)], chunk)
-                        for i in cutlass.range_constexpr(self.wm):
-                            for v in cutlass.range_constexpr(4):
-                                acc[(v, i)] = acc[(v, i)] + chunk[(v, i, 0)]
-                    else:
-                        for i in cutlass.range_constexpr(self.wm):
-                            self._load_a_tile(s_a4, frag_a, mt0 + i, 0, gi, stage, m_total,
-                                              g, t)
-                            chunk.fill(0.0)
-                            for s in cutlass.range_constexpr(STEPS):
-                                cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
-                                          frag_b[(None, None, s)], chunk)
-                            for v in cutlass.range_constexpr(4):
-                                acc[(v, i)] = acc[(v, i)] + chunk[(v, 0, 0)]
+                    # Every tile's A fragments, then each step over the tiles: wm
+                    # independent chains in flight.
+                    for i in cutlass.range_constexpr(self.wm):
+                        self._load_a_tile(s_a4, frag_a, mt0 + i, i, gi, stage, g, t)
+                    chunk.fill(0.0)
+                    for s in cutlass.range_constexpr(STEPS):
+                        cute.gemm(tiled_mma, chunk, frag_a[(None, None, s)],
+                                  frag_b[(None, None, s)], chunk)
+                    for i in cutlass.range_constexpr(self.wm):
+                        for v in cutlass.range_constexpr(4):
+                            acc[(v, i)] = acc[(v, i)] + chunk[(v, i, 0)]
 
     @cute.jit
     def _warp_tops(self, tops: cute.Tensor, s_tops: cute.Tensor, warp, lane):
@@ -258,8 +238,7 @@ class SplitTileFp32(SplitGemvFp32):
                     frag_b[(v, 0, 2 * p + j)] = parts[(v, p)]
 
     @cute.jit
-    def _load_a_tile(self, s_a4: cute.Tensor, frag_a: cute.Tensor, mt, fi, slot, stage,
-                     m_total, g, t):
+    def _load_a_tile(self, s_a4: cute.Tensor, frag_a: cute.Tensor, mt, fi, slot, stage, g, t):
         """A fragments of m16 tile `mt` into tile `fi` of `frag_a` (`SplitGemvFp32._load_a`
         for one tile): rows g and g + 8, values 4t..4t+3 of each step's 16-wide block into
         slots (2t, 2t+1, 2t+8, 2t+9). Rows past M are read as shared memory holds them
@@ -269,13 +248,7 @@ class SplitTileFp32(SplitGemvFp32):
             for h in cutlass.range_constexpr(2):  # rows g, g + 8
                 m = mt * 16 + g + 8 * h
                 vals = cute.make_rmem_tensor((4,), cutlass.Float16)
-                if cutlass.const_expr(self.ROW_CHECK):
-                    if m < m_total:
-                        cute.autovec_copy(s_a4[(None, 4 * s + t, slot, m, stage)], vals)
-                    else:
-                        vals.fill(0.0)
-                else:
-                    cute.autovec_copy(s_a4[(None, 4 * s + t, slot, m, stage)], vals)
+                cute.autovec_copy(s_a4[(None, 4 * s + t, slot, m, stage)], vals)
                 frag_a[(2 * h, fi, s)] = vals[0]
                 frag_a[(2 * h + 1, fi, s)] = vals[1]
                 frag_a[(2 * h + 4, fi, s)] = vals[2]
